@@ -1,0 +1,1 @@
+"""The ``gem`` command line."""

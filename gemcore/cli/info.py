@@ -1,0 +1,71 @@
+"""``gem info``: versions, GPUs, and which plugins and backends are usable here."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata as md
+import platform
+
+from gemcore.cli.common import add_config_arguments, load_from_args
+from gemcore.cli.plugins import describe
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_arguments(p)
+
+
+def _version(dist: str) -> str:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return "not installed"
+
+
+def _mpi_library() -> str:
+    try:
+        from mpi4py import MPI
+
+        return MPI.Get_library_version().splitlines()[0].strip()
+    except Exception as exc:  # noqa: BLE001 - report, never fail
+        return f"unavailable ({type(exc).__name__})"
+
+
+def versions() -> dict[str, str]:
+    cupy = next((v for v in (_version(d) for d in ("cupy-cuda13x", "cupy-cuda12x", "cupy"))
+                 if v != "not installed"), "not installed")
+    return {"python": platform.python_version(), "gemcore": _version("gemcore"), "torch": _version("torch"),
+            "triton": _version("triton"), "pluggy": _version("pluggy"), "mpi4py": _version("mpi4py"),
+            "MPI library": _mpi_library() if _version("mpi4py") != "not installed" else "n/a",
+            "cupy": cupy}
+
+
+def gpus() -> list[str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [f"cuda:{i} {torch.cuda.get_device_name(i)} "
+            f"({torch.cuda.get_device_properties(i).total_memory / 2**30:.0f} GiB)"
+            for i in range(torch.cuda.device_count())]
+
+
+def run(args: argparse.Namespace) -> int:
+    config, manager = load_from_args(args)
+    print("versions:")
+    for k, v in versions().items():
+        print(f"  {k:12s} {v}")
+    found = gpus()
+    print("GPUs:" + ("" if found else " none (CPU only)"))
+    for g in found:
+        print(f"  {g}")
+    info = describe(config, manager)
+    print("usable implementations:")
+    for point, entry in info["hook_points"].items():
+        names = ", ".join(i["name"] for i in entry["implementations"]) or "none"
+        print(f"  {point:13s} {names}")
+    for p in info["plugins"]:
+        if p["status"] == "failed":
+            print(f"  plugin {p['name']} unusable: {p['error']}")
+        elif p["status"] == "disabled":
+            print(f"  plugin {p['name']} disabled by configuration")
+    return 0

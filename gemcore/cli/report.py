@@ -1,0 +1,50 @@
+"""Console output for ``gem train``: the progress bar and the end-of-run summary."""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+
+@contextlib.contextmanager
+def progress_bar(console, total_steps: int, disabled: bool = False):
+    """Yields ``update(step, loss, tokens_per_s)``."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if disabled:
+        yield lambda *a: None
+        return
+    columns = [TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s")]
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("train", total=total_steps, loss=float("nan"), tps=0.0)
+
+        def update(step: int, loss: float, tokens_per_s: float) -> None:
+            progress.update(task, completed=step, loss=loss, tps=tokens_per_s)
+
+        yield update
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def print_summary(console, summary: dict[str, Any], run_dir: Path) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"gem train: {run_dir}", show_header=False)
+    mfu = summary["mfu"]
+    rows = [
+        ("steps", str(summary["steps"])),
+        ("tokens/s (real tokens)", _fmt(summary["tokens_per_s"], ",.0f")),
+        ("model FLOPs per token", _fmt(summary["model_flops_per_token"], ",.0f")),
+        ("achieved FLOP/s", _fmt(summary["achieved_flops_per_s"], ".3e")),
+        ("MFU", "n/a (peak unknown for this device)" if mfu is None else f"{100 * mfu:.1f}%"),
+        ("loss first -> last", f"{_fmt(summary['loss_first'], '.4f')} -> {_fmt(summary['loss_last'], '.4f')}"),
+        ("held-out AUC", f"{_fmt(summary['auc'], '.4f')} (chance: 0.5)"),
+        ("parameters", f"{summary['parameters']:,}"),
+        ("parallelism", summary["parallelism"]),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    console.print(table)

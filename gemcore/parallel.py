@@ -1,0 +1,28 @@
+"""The parallelism interface (hook point ``parallelism``)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Parallelism:
+    """Places a model on its device(s) and wraps it for the chosen parallel layout.
+
+    ``rank`` / ``world_size``: this process's place among the data-parallel readers (the sampler
+    shards by them). ``apply(model, device)`` returns the model ready to train. ``describe()`` is a
+    one-line summary for logs. The built-in ``single`` is one process with no parallelism.
+    """
+
+    name = "single"
+    rank = 0
+    world_size = 1
+
+    def apply(self, model: nn.Module, device: torch.device) -> nn.Module:
+        return model.to(device)
+
+    def describe(self) -> str:
+        return "single process, no parallelism"
+
+    def all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """Average a metric tensor over ranks (identity for one process)."""
+        return value
