@@ -178,4 +178,6 @@ def _init_weights(module: nn.Module) -> None:
         if module.bias is not None:
             nn.init.zeros_(module.bias)
     elif isinstance(module, nn.Embedding):
-        nn.init.normal_(module.weight, std=0.02)
+        # unit-scale embeddings: the head's candidate x history interactions are products of
+        # embeddings, and a 0.02 init leaves their gradients ~1e-4 (the model then sits at the base rate)
+        nn.init.normal_(module.weight, std=1.0)

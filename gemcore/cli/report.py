@@ -6,21 +6,28 @@ from pathlib import Path
 from typing import Any
 
 
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
 @contextlib.contextmanager
 def progress_bar(console, total_steps: int, disabled: bool = False):
-    """Yields ``update(step, loss, tokens_per_s)``."""
+    """Yields ``update(step, loss, tokens_per_s, mfu=None, padded_waste=None)``."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     if disabled:
-        yield lambda *a: None
+        yield lambda *a, **k: None
         return
     columns = [TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s")]
+               TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
+               TextColumn("MFU {task.fields[mfu]}"), TextColumn("padding would waste {task.fields[waste]}")]
     with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("train", total=total_steps, loss=float("nan"), tps=0.0)
+        task = progress.add_task("train", total=total_steps, loss=float("nan"), tps=0.0, mfu="n/a", waste="n/a")
 
-        def update(step: int, loss: float, tokens_per_s: float) -> None:
-            progress.update(task, completed=step, loss=loss, tps=tokens_per_s)
+        def update(step: int, loss: float, tokens_per_s: float, mfu: float | None = None,
+                   padded_waste: float | None = None) -> None:
+            progress.update(task, completed=step, loss=loss, tps=tokens_per_s, mfu=_pct(mfu),
+                            waste=_pct(padded_waste))
 
         yield update
 
@@ -34,12 +41,18 @@ def print_summary(console, summary: dict[str, Any], run_dir: Path) -> None:
 
     table = Table(title=f"gem train: {run_dir}", show_header=False)
     mfu = summary["mfu"]
+    steps = str(summary["steps"])
+    if summary.get("resumed_from_step") is not None:
+        steps += f" (resumed at {summary['resumed_from_step']})"
+    if summary.get("stopped") and summary["stopped"] != "max_steps":
+        steps += f", stopped by {summary['stopped']}"
     rows = [
-        ("steps", str(summary["steps"])),
+        ("steps", steps),
         ("tokens/s (real tokens)", _fmt(summary["tokens_per_s"], ",.0f")),
         ("model FLOPs per token", _fmt(summary["model_flops_per_token"], ",.0f")),
         ("achieved FLOP/s", _fmt(summary["achieved_flops_per_s"], ".3e")),
-        ("MFU", "n/a (peak unknown for this device)" if mfu is None else f"{100 * mfu:.1f}%"),
+        ("MFU", "n/a (peak unknown for this device; --peak-tflops sets it)" if mfu is None else f"{100 * mfu:.1f}%"),
+        ("work padding would waste", _pct(summary.get("padded_waste"))),
         ("loss first -> last", f"{_fmt(summary['loss_first'], '.4f')} -> {_fmt(summary['loss_last'], '.4f')}"),
         ("held-out AUC", f"{_fmt(summary['auc'], '.4f')} (chance: 0.5)"),
         ("parameters", f"{summary['parameters']:,}"),

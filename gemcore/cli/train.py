@@ -2,40 +2,85 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from pathlib import Path
 
 from gemcore.cli.common import add_config_arguments, load_from_args
+
+#: flag -> config key it sets
+FLAG_KEYS = (("name", "run.name"), ("max_steps", "run.max_steps"), ("device", "run.device"),
+             ("seed", "run.seed"), ("checkpoint_every", "train.checkpoint_every"),
+             ("max_time", "train.max_time_s"), ("eval_every", "train.eval_every"))
+
+
+def _non_negative(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"expected a value >= 0, got {text!r}")
+        return value
+    return parse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
     p.add_argument("--name", help="run name: output goes to runs/NAME/")
-    p.add_argument("--max-steps", type=int, metavar="N", help="optimizer steps")
+    p.add_argument("--max-steps", type=_non_negative(int), metavar="N",
+                   help="optimizer steps of the whole run (the LR schedule spans them)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="where to train")
-    p.add_argument("--seed", type=int, metavar="S", help="seed of model, data and sampler")
+    p.add_argument("--seed", type=_non_negative(int), metavar="S", help="seed of model, data and sampler")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint")
+    p.add_argument("--checkpoint-every", type=_non_negative(int), metavar="N",
+                   help="save a checkpoint every N steps (always at the end)")
+    p.add_argument("--max-time", type=_non_negative(float), metavar="SECONDS",
+                   help="stop (and save) after this much training time")
+    p.add_argument("--stop-after", type=_non_negative(int), metavar="N",
+                   help="stop (and save) after N steps of this invocation; continue with --resume")
+    p.add_argument("--eval-every", type=_non_negative(int), metavar="K", help="held-out AUC every K steps")
+    p.add_argument("--peak-tflops", type=float, metavar="T",
+                   help="device peak (dense bf16 TFLOP/s) for MFU when the built-in table lacks it")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _apply_extra_fields(config, pending: dict[str, object]) -> None:
+    """Set keys the config dataclasses do not declare yet (read by the trainer with getattr)."""
+    for key, value in pending.items():
+        section, name = key.split(".")
+        setattr(getattr(config, section), name, value)
 
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from gemcore.cli.report import print_summary, progress_bar
-    from gemcore.trainer import run_training
+    from gemcore.config import load_config
+    from gemcore.trainer import TrainError, run_training
 
-    extra = []
-    for flag, key in (("name", "run.name"), ("max_steps", "run.max_steps"), ("device", "run.device"),
-                      ("seed", "run.seed")):
+    extra, undeclared = [], {}
+    for flag, key in FLAG_KEYS:
         value = getattr(args, flag)
-        if value is not None:
+        if value is None:
+            continue
+        section, name = key.split(".")
+        from gemcore import config as config_module
+
+        cls = {f.name: f.type for f in dataclasses.fields(config_module.Config)}[section]
+        cls = getattr(config_module, cls) if isinstance(cls, str) else cls
+        if name not in {f.name for f in dataclasses.fields(cls)}:
+            undeclared[key] = value
+        else:
             extra.append(f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}")
     config, manager = load_from_args(args, extra)
     if args.resume:  # the run's own config, with explicit overrides on top (e.g. more steps)
-        from gemcore.config import load_config
-        from pathlib import Path
-
-        config = load_config(Path(args.resume) / "config.toml", [*args.overrides, *extra])
+        saved = Path(args.resume) / "config.toml"
+        if not saved.is_file():
+            raise TrainError(f"--resume {args.resume}: no config.toml in that folder")
+        config = load_config(saved, [*args.overrides, *extra])
+    _apply_extra_fields(config, undeclared)
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else None
     console = Console(stderr=True)
     with progress_bar(console, config.run.max_steps, disabled=args.quiet) as update:
-        summary, run_dir = run_training(config, manager, resume=args.resume, progress=update)
+        summary, run_dir = run_training(config, manager, resume=args.resume, progress=update,
+                                        stop_after=args.stop_after, peak_flops_per_s=peak)
     print_summary(Console(), summary, run_dir)
     return 0

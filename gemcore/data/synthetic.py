@@ -2,8 +2,8 @@
 
 Items belong to latent clusters (``item % num_clusters``). Each user has a primary and a secondary
 interest cluster; a history is a Markov chain over clusters that mostly stays in the user's
-interests, with Zipf-popular items inside a cluster. Candidates are drawn half from the user's
-interests, half uniformly; the click probability depends on whether the candidate's cluster is the
+interests, with Zipf-popular items inside a cluster. Candidates (same popularity law) are drawn half from the
+user's interests, half from any cluster; the click probability depends on whether the candidate's cluster is the
 user's primary (0.75), secondary (0.45) or neither (0.05) interest, so clicks are predictable from
 the history well above chance. No download, ever.
 """
@@ -61,7 +61,8 @@ def make_synthetic(*, num_users: int, num_items: int, num_actions: int, max_len:
     cand_cluster = np.where(pick < 0.3, primary[cand_user],
                             np.where(pick < 0.5, secondary[cand_user],
                                      rng.integers(0, num_clusters, cand_user.size)))
-    cand_ids = cand_cluster + num_clusters * rng.integers(0, items_per_cluster, cand_user.size)
+    cand_rank = np.minimum(rng.zipf(1.3, cand_user.size) - 1, items_per_cluster - 1)  # same popularity law
+    cand_ids = cand_cluster + num_clusters * cand_rank
     p_click = np.where(cand_cluster == primary[cand_user], CLICK_PROB["primary"],
                        np.where(cand_cluster == secondary[cand_user], CLICK_PROB["secondary"],
                                 CLICK_PROB["other"]))
