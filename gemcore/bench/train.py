@@ -1,0 +1,270 @@
+"""End-to-end training step: gemcore (jagged, jfa, bbs, bf16/mxfp8) against a padded PyTorch baseline.
+
+``gem bench train --device cuda --workload heavytail|dense95 [--steps N] [--json]``
+
+Every configuration trains the same GEM-style model (same initial weights) on the same synthetic
+data for the same number of steps. Reported per configuration: tokens/s (real tokens), samples/s,
+MFU (model FLOPs on real tokens / time / peak), peak memory, held-out loss after the N steps on a
+fixed set of users, and host synchronisations per step (torch.profiler). For the best gemcore
+configuration, GEM's "local MFU" table: each layer type timed alone, forward + backward.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gemcore.config import AttentionConfig, ModelConfig, PrecisionConfig
+from gemcore.data import make_synthetic
+from gemcore.metrics import peak_flops
+from gemcore.model import GemModel
+from gemcore.plugin_manager import create_plugin_manager
+
+WORKLOADS = {"heavytail": 4096, "dense95": 2048}  # max history length (ANCHORS.md)
+CONFIGS = ("padded", "bf16", "mxfp8", "bf16+compile", "mxfp8+compile")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="heavytail")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--users", type=int, default=64, help="users (samples) per step")
+    p.add_argument("--max-len", type=int, default=0, help="override the workload's max history length")
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--blocks", type=int, default=8)
+    p.add_argument("--items", type=int, default=200_000, help="item-id vocabulary")
+    p.add_argument("--candidates", type=int, default=16, help="candidates per user")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
+    p.add_argument("--no-local-mfu", action="store_true")
+    p.add_argument("--json", action="store_true")
+
+
+@dataclass
+class Result:
+    config: str
+    tokens_per_s: float = 0.0
+    samples_per_s: float = 0.0
+    mfu: float | None = None
+    peak_mem_gb: float = 0.0
+    heldout_loss: float = float("nan")
+    syncs_per_step: float | None = None
+    step_ms: float = 0.0
+    error: str = ""
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _batches(data, users: int, steps: int, order: str, seed: int, manager):
+    """Per-step lists of user indices: random sharding or the bbs sampler (one rank)."""
+    name = "bbs" if order == "bbs" and "bbs" in manager.implementations("data") else "random"
+    sampler = manager.resolve("data", name).factory(data.lengths, batch_size=users, world_size=1, rank=0,
+                                                    seed=seed, drop_last=True)
+    it = iter(sampler)
+    return [next(it) for _ in range(steps)], name
+
+
+def build(config: str, model_cfg: ModelConfig, manager, device, seed: int):
+    """(model-like object with .loss(batch) and .parameters(), the GemModel inside, description)."""
+    torch.manual_seed(seed)
+    attention_name = "jfa" if "jfa" in manager.implementations("attention") else "reference"
+    attention = manager.resolve("attention", attention_name).factory(AttentionConfig())
+    model = GemModel(model_cfg, attention)
+    precision_name = "mxfp8" if config.startswith("mxfp8") else "bf16"
+    policy = manager.resolve("precision", precision_name).factory(PrecisionConfig(impl=precision_name))
+    if config == "padded":
+        from gemcore.bench.padded import PaddedGemModel
+
+        return PaddedGemModel(model.to(device)), model, policy, "padded SDPA + bf16 autocast + random"
+    model = policy.apply(model).to(device)
+    if config.endswith("+compile"):
+        for block in model.blocks:  # the dense parts; jagged attention stays a kernel call
+            block.mlp = torch.compile(block.mlp, dynamic=True)
+            block.attn_norm = torch.compile(block.attn_norm, dynamic=True)
+            block.mlp_norm = torch.compile(block.mlp_norm, dynamic=True)
+    return model, model, policy, f"jagged {attention_name} + {precision_name}"
+
+
+def train_config(config, model_cfg, data, heldout, steps_idx, warmup, device, manager, seed) -> Result:
+    runner, gem, policy, _ = build(config, model_cfg, manager, device, seed)
+    opt = torch.optim.AdamW(runner.parameters(), lr=1e-3, fused=device.type == "cuda")
+    batches = [data.__getitems__(idx).to(device) for idx in steps_idx]
+    peak = peak_flops(device)
+
+    def step(batch):
+        with policy.autocast(device.type):
+            loss = runner.loss(batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss
+
+    for batch in batches[:warmup]:
+        step(batch)
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    timed = batches[warmup:]
+    t0 = time.perf_counter()
+    for batch in timed:
+        step(batch)
+    _sync(device)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(b.num_tokens for b in timed)
+    flops = sum(gem.flops(b.num_tokens, b.sum_sq_len) for b in timed)
+    result = Result(config, tokens_per_s=tokens / elapsed,
+                    samples_per_s=sum(b.batch_size for b in timed) / elapsed,
+                    mfu=flops / elapsed / peak if peak else None,
+                    peak_mem_gb=torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0,
+                    step_ms=1e3 * elapsed / max(1, len(timed)))
+    result.syncs_per_step = count_syncs(step, timed[:2], device)
+    with torch.no_grad(), policy.autocast(device.type):
+        result.heldout_loss = float(runner.loss(heldout.to(device)))
+    del batches, opt, runner
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def count_syncs(step, batches, device) -> float | None:
+    """Host synchronisations per step (cudaStreamSynchronize, cudaDeviceSynchronize, blocking D2H)."""
+    if device.type != "cuda" or not batches:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for b in batches:
+            step(b)
+        torch.cuda.synchronize()
+    names = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+    count = sum(e.count for e in prof.key_averages() if e.key in names)
+    return max(0, count - 1) / len(batches)  # minus our own final synchronize
+
+
+def local_mfu(gem: GemModel, policy, batch, device, reps: int = 5) -> list[dict]:
+    """GEM's local MFU: each layer type alone, forward + backward, on this batch's shapes."""
+    from gemcore.model import merge_history_and_candidates
+
+    hist = gem.item_emb(batch.item_ids).detach()
+    x, seq_offsets, _ = merge_history_and_candidates(hist, batch.offsets, gem.item_emb(batch.cand_ids).detach(),
+                                                     batch.cand_offsets)
+    x = x.detach().requires_grad_(True)
+    T, hidden = x.shape
+    block = gem.blocks[0]
+    H = block.num_heads
+    nt = batch.cand_offsets.diff()
+    qkv = torch.randn(T, 3, H, hidden // H, device=device, dtype=torch.bfloat16, requires_grad=True)
+    ratio = gem.cfg.mlp_ratio
+    parts = {
+        "attention (jagged kernel)": (lambda: block.attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], seq_offsets, causal=True,
+                                                              num_targets=nt, max_seqlen=batch.max_len),
+                                      3 * 2.0 * batch.sum_sq_len * hidden),
+        "qkv + out projections": (lambda: block.out(block.qkv(x)[:, :hidden]), 6.0 * T * 4 * hidden * hidden),
+        "MLP": (lambda: block.mlp(x), 6.0 * T * 3 * ratio * hidden * hidden),
+        "RMSNorm x2": (lambda: block.mlp_norm(block.attn_norm(x)), None),
+    }
+    rows = []
+    peak = peak_flops(device)
+    for name, (fn, flops) in parts.items():
+        def run_once():
+            with policy.autocast(device.type):
+                out = fn()
+            out.float().sum().backward()
+        for _ in range(2):
+            run_once()
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            run_once()
+        _sync(device)
+        ms = 1e3 * (time.perf_counter() - t0) / reps
+        rows.append({"layer": name, "ms_per_block": ms,
+                     "ms_per_step": ms * len(gem.blocks),
+                     "tflops": flops / ms / 1e9 if flops else None,
+                     "local_mfu": (flops / (ms / 1e3) / peak) if (flops and peak) else None})
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA GPU is available")
+    for name in ("steps", "users", "hidden", "heads", "blocks", "items", "candidates"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name} must be positive, got {getattr(args, name)}")
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown:
+        raise ValueError(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
+    manager = create_plugin_manager()
+    max_len = args.max_len or WORKLOADS[args.workload]
+    model_cfg = ModelConfig(num_items=args.items, hidden=args.hidden, num_heads=args.heads,
+                            num_blocks=args.blocks, mlp_ratio=4)
+    total_steps = args.steps + args.warmup
+    data = make_synthetic(num_users=args.users * (total_steps + 2), num_items=args.items, num_actions=4,
+                          max_len=max_len, num_candidates=args.candidates, num_clusters=64,
+                          kind=args.workload, seed=0)
+    heldout = data.__getitems__(list(range(args.users)))  # fixed users for the loss comparison
+    results, order_used = [], {}
+    for config in configs:
+        order = "random" if config == "padded" else "bbs"
+        steps_idx, order_used[config] = _batches(data, args.users, total_steps, order, 0, manager)
+        try:
+            results.append(train_config(config, model_cfg, data, heldout, steps_idx, args.warmup, device,
+                                        manager, seed=0))
+        except Exception as exc:  # noqa: BLE001 - one failing configuration is reported, not fatal
+            results.append(Result(config, error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    local = []
+    if not args.no_local_mfu:
+        _, gem, policy, _ = build("bf16", model_cfg, manager, device, 0)
+        local = local_mfu(gem, policy, data.__getitems__(list(range(args.users))).to(device), device)
+        bf16 = next((r for r in results if r.config == "bf16" and not r.error), None)
+        for row in local:
+            row["share_of_step"] = row["ms_per_step"] / bf16.step_ms if bf16 else None
+    dense = GemModel(ModelConfig(**{**model_cfg.__dict__, 'num_items': 2}), lambda *a, **k: None).dense_parameters()
+    report = {"workload": args.workload, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "model": {"hidden": args.hidden, "heads": args.heads, "head_dim": args.hidden // args.heads,
+                        "blocks": args.blocks, "mlp_ratio": 4, "items": args.items,
+                        "dense_params": dense, "embedding_params": (args.items + 5 + 32) * args.hidden},
+              "users_per_step": args.users, "max_len": max_len, "steps": args.steps,
+              "sampler": order_used, "results": [r.__dict__ for r in results], "local_mfu": local}
+    base = next((r for r in results if r.config == "padded" and not r.error), None)
+    for r in report["results"]:
+        r["speedup_vs_padded"] = (r["tokens_per_s"] / base.tokens_per_s) if base and not r["error"] else None
+        r["loss_vs_padded"] = ((r["heldout_loss"] / base.heldout_loss - 1) if base and not r["error"] else None)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"gem bench train: {report['device']}, workload {args.workload} (max_len {max_len}), "
+          f"{args.users} users/step, {args.steps} timed steps; model: {args.blocks} blocks, hidden "
+          f"{args.hidden}, {args.heads} heads x {args.hidden // args.heads}, {dense / 1e6:.0f}M dense params")
+    print(f"{'config':15s} {'tok/s':>11s} {'samples/s':>10s} {'MFU':>7s} {'step ms':>8s} {'mem GB':>7s} "
+          f"{'loss':>8s} {'dloss':>7s} {'x pad':>6s} {'syncs':>6s}")
+    for r in report["results"]:
+        if r["error"]:
+            print(f"{r['config']:15s} FAILED {r['error']}")
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+        dl = f"{100 * r['loss_vs_padded']:+.2f}%" if r["loss_vs_padded"] is not None else "-"
+        sp = f"{r['speedup_vs_padded']:.2f}" if r["speedup_vs_padded"] else "-"
+        sy = f"{r['syncs_per_step']:.1f}" if r["syncs_per_step"] is not None else "-"
+        print(f"{r['config']:15s} {r['tokens_per_s']:11,.0f} {r['samples_per_s']:10,.1f} {mfu:>7s} "
+              f"{r['step_ms']:8.1f} {r['peak_mem_gb']:7.1f} {r['heldout_loss']:8.4f} {dl:>7s} {sp:>6s} {sy:>6s}")
+    if local:
+        print("local MFU (bf16, one block's layer alone, fwd+bwd):")
+        for row in local:
+            tf = f"{row['tflops']:.0f} TFLOP/s" if row["tflops"] else ""
+            lm = f"{100 * row['local_mfu']:.1f}%" if row["local_mfu"] else ""
+            share = f"{100 * row['share_of_step']:.0f}% of step" if row.get("share_of_step") else ""
+            print(f"  {row['layer']:28s} {row['ms_per_step']:8.2f} ms/step {tf:>14s} {lm:>7s} {share:>13s}")
+    return 0
