@@ -80,6 +80,7 @@ class PrecisionConfig:
 @dataclass
 class ParallelismConfig:
     impl: str = _f("single", "parallelism hook point: which planner/applier")
+    degrees: str = _f("", "layout for impl='planned', e.g. 'dp_shard=2,tp=2' (gem plan --degrees syntax)")
 
 
 @dataclass

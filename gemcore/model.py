@@ -78,6 +78,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, attention: AttentionFn):
         super().__init__()
         self.num_heads = cfg.num_heads
+        self.head_dim = cfg.hidden // cfg.num_heads
         self.attn_norm = RMSNorm(cfg.hidden)
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=False)
         self.out = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
@@ -89,10 +90,11 @@ class Block(nn.Module):
         self.attention = attention
 
     def forward(self, x, offsets, num_targets, max_seqlen):
-        T, hidden = x.shape
-        q, k, v = self.qkv(self.attn_norm(x)).view(T, 3, self.num_heads, hidden // self.num_heads).unbind(1)
+        T = x.shape[0]
+        # heads from the module (not from x's width) so tensor parallelism can shard them
+        q, k, v = self.qkv(self.attn_norm(x)).view(T, 3, self.num_heads, self.head_dim).unbind(1)
         a = self.attention(q, k, v, offsets, causal=True, num_targets=num_targets, max_seqlen=max_seqlen)
-        x = x + self.dropout(self.out(a.reshape(T, hidden)))
+        x = x + self.dropout(self.out(a.reshape(T, self.num_heads * self.head_dim)))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 

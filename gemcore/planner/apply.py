@@ -1,0 +1,164 @@
+"""Apply a :class:`Plan` to a GemModel with torch.distributed: DeviceMesh, DTensor TP, FSDP2.
+
+Order (each step logs what it did): ``build_mesh`` -> ``apply_tp`` -> ``apply_ac`` -> ``apply_fsdp``.
+TP goes first so FSDP2 shards the TP-sharded DTensors along the data-parallel mesh (2-D), as
+TorchTitan does. Every step takes explicit arguments, not the config; the model file stays free
+of parallelism code.
+
+What is applied today: dp_shard (FSDP2 ``fully_shard``), dp_replicate x dp_shard (HSDP: a 2-D mesh
+given to ``fully_shard``), tp (``parallelize_module`` with Colwise/RowwiseParallel on each MLP and
+expert: gate_up column-wise, down row-wise; attention projections too when the block exposes
+``head_dim``, otherwise attention stays replicated), ac (``checkpoint_wrapper`` per block).
+cp, pp and ep > 1 are planned and costed but not applied: :func:`check_supported` says so.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from gemcore.planner.plan import MESH_ORDER, MeshAxis, Plan
+
+log = logging.getLogger("gemcore.planner.apply")
+
+
+def check_supported(plan: Plan) -> list[str]:
+    """What in ``plan`` this module cannot apply yet (empty: all of it)."""
+    missing = []
+    for axis in (MeshAxis.CP, MeshAxis.PP, MeshAxis.EP):
+        if plan.degree(axis) > 1:
+            missing.append(f"{axis.value}={plan.degree(axis)} (planned and costed, not applied yet)")
+    return missing
+
+
+def build_mesh(plan: Plan, device_type: str):
+    """The DeviceMesh of ``plan`` with the :data:`MESH_ORDER` dimension names (size-1 dims kept)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = tuple(plan.degree(a) for a in MESH_ORDER)
+    names = tuple(a.value for a in MESH_ORDER)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    log.info("mesh %s", dict(zip(names, shape)))
+    return mesh
+
+
+def data_parallel_coordinates(mesh) -> tuple[int, int]:
+    """(rank, size) of this process among data-parallel readers (dp_replicate x dp_shard)."""
+    rep, shard = mesh[MeshAxis.DP_REPLICATE.value], mesh[MeshAxis.DP_SHARD.value]
+    return rep.get_local_rank() * shard.size() + shard.get_local_rank(), rep.size() * shard.size()
+
+
+def _interleave_rows(weight: torch.Tensor, parts: int, shards: int) -> torch.Tensor:
+    """Reorder output rows so that shard ``r`` of ``shards`` holds part-chunk ``r`` of every part.
+
+    ``weight``: (parts * n, k) with ``parts`` stacked blocks (gate|up, or q|k|v). Column-wise TP
+    gives rank r the r-th contiguous slice; after this reorder that slice is [p0_r, p1_r, ...], so
+    the block's own ``chunk``/``view`` still finds its parts locally.
+    """
+    blocks = weight.chunk(parts, dim=0)                     # parts x (n, k)
+    per = [b.chunk(shards, dim=0) for b in blocks]          # parts x shards x (n/shards, k)
+    return torch.cat([per[p][r] for r in range(shards) for p in range(parts)], dim=0)
+
+
+def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
+    """Tensor parallelism over ``tp_mesh`` (1-D) on every block's MLP (and experts); attention too
+    when blocks expose ``head_dim`` (then ``num_heads`` becomes the local head count)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp = tp_mesh.size()
+    if tp == 1:
+        return model
+    done = []
+    for i, block in enumerate(model.blocks):
+        mlps = list(block.mlp.experts) if hasattr(block.mlp, "experts") else [block.mlp]
+        for mlp in mlps:
+            with torch.no_grad():
+                mlp.gate_up.weight.copy_(_interleave_rows(mlp.gate_up.weight, 2, tp))
+            parallelize_module(mlp, tp_mesh, {"gate_up": ColwiseParallel(), "down": RowwiseParallel()})
+        done.append(f"blocks.{i}.mlp")
+        if hasattr(block, "head_dim"):
+            if block.num_heads % tp:
+                raise ValueError(f"tp={tp} must divide the heads ({block.num_heads})")
+            with torch.no_grad():
+                block.qkv.weight.copy_(_interleave_rows(block.qkv.weight, 3, tp))
+            parallelize_module(block, tp_mesh, {"qkv": ColwiseParallel(), "out": RowwiseParallel()})
+            block.num_heads //= tp
+            done.append(f"blocks.{i}.attention")
+    log.info("tp=%d on %s", tp, ", ".join(done))
+    return model
+
+
+def apply_ac(model: nn.Module, mode: str) -> nn.Module:
+    """Activation checkpointing: ``full`` recomputes each block in the backward pass; ``selective``
+    recomputes every other block (the memory the planner's selective mode saves, approximately)."""
+    if mode == "none":
+        return model
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    every = 1 if mode == "full" else 2
+    for i, block in enumerate(model.blocks):
+        if i % every == 0:
+            model.blocks[i] = checkpoint_wrapper(block, preserve_rng_state=True)
+    log.info("activation checkpointing %s on every %s block", mode, "" if every == 1 else "second")
+    return model
+
+
+def apply_fsdp(model: nn.Module, dp_mesh, *, reshard_after_forward: bool = True,
+               param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None) -> nn.Module:
+    """FSDP2 over ``dp_mesh``: 1-D (dp_shard) shards; 2-D (dp_replicate, dp_shard) is HSDP.
+    Each block is its own unit (gathered just in time), then the root holds embeddings and head."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in model.blocks:
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    log.info("fsdp over %s (%s)", dp_mesh.mesh_dim_names, "HSDP" if dp_mesh.ndim == 2 else "sharded")
+    return model
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for models whose parameters mix plain tensors and
+    DTensors on different meshes (TP-sharded MLPs beside replicated norms, FSDP over both).
+
+    Each gradient's 2-norm is reduced over its own mesh (``full_tensor`` of the DTensor norm), the
+    total is the 2-norm of those, and every gradient is scaled by min(1, max_norm / total).
+    One small collective per DTensor gradient: fine for gemcore's block counts.
+    """
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norms = []
+    for g in grads:
+        n = torch.linalg.vector_norm(g)
+        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(scale.to(g.dtype))
+    return total
+
+
+def apply_plan(model: nn.Module, plan: Plan, device: torch.device, mesh=None) -> nn.Module:
+    """Everything above, in the documented order, for a plan :func:`check_supported` accepts."""
+    missing = check_supported(plan)
+    if missing:
+        raise ValueError("parallelism: cannot apply " + "; ".join(missing))
+    mesh = mesh if mesh is not None else build_mesh(plan, device.type)
+    model = model.to(device)
+    model = apply_tp(model, mesh[MeshAxis.TP.value])
+    model = apply_ac(model, plan.ac)
+    if plan.dp_replicate * plan.dp_shard > 1:
+        dims = ((MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value) if plan.dp_replicate > 1
+                else (MeshAxis.DP_SHARD.value,))
+        model = apply_fsdp(model, mesh[dims], reshard_after_forward=plan.reshard_after_forward)
+    return model
+
+
+__all__ = ["build_mesh", "apply_tp", "apply_ac", "apply_fsdp", "apply_plan", "check_supported",
+           "clip_grad_norm_",
+           "data_parallel_coordinates"]

@@ -1,0 +1,179 @@
+"""Cluster descriptions: GPU kinds, nodes and network tiers, and the bandwidth a group gets.
+
+Bandwidths are per GPU and per direction, in GB/s (1e9 bytes). ``*_efficiency`` is the share of the
+datasheet figure a collective reaches as bus bandwidth (nccl-tests' busbw): 8xH100 NVLink
+all-gather reaches ~370 GB/s of 450 (FACTS.md), so 0.8. A cluster TOML overrides any field and adds
+network tiers above the node::
+
+    [cluster]
+    gpu = "h100"
+    gpus = 16384
+    gpus_per_node = 8
+    inter_node_gbps = 50          # one 400 Gb/s NIC per GPU
+    [[cluster.tiers]]             # a group inside one pod gets the full NIC rate
+    name = "pod"
+    gpus = 3072
+    oversubscription = 1.0
+    [[cluster.tiers]]             # a group spanning pods gets the NIC rate / 7
+    name = "spine"
+    gpus = 24576
+    oversubscription = 7.0
+
+A group uses the smallest tier that holds all its ranks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class GpuKind:
+    """Datasheet figures of one accelerator (dense bf16, no sparsity)."""
+
+    name: str
+    hbm_gb: float                #: memory per GPU, GB (1e9 bytes)
+    peak_bf16_tflops: float      #: dense bf16 tensor-core peak, TFLOP/s
+    hbm_gbps: float              #: memory bandwidth, GB/s
+    intra_node_gbps: float       #: NVLink per GPU per direction, GB/s
+    inter_node_gbps: float       #: NIC per GPU per direction, GB/s
+    gpus_per_node: int = 8
+    gemm_efficiency: float = 0.71     #: large bf16 GEMM / peak (ANCHORS.md: 705 of 989 on H200)
+    attention_efficiency: float = 0.39  #: causal flash attention fwd+bwd / peak (ANCHORS.md: 381 of 989)
+    memory_efficiency: float = 0.8      #: elementwise kernels' share of HBM bandwidth
+    link_efficiency: float = 0.8        #: collective bus bandwidth / link rate
+
+
+GPUS: dict[str, GpuKind] = {
+    # NVIDIA datasheets: H100 SXM5 80 GB HBM3 3.35 TB/s, NVLink 4 900 GB/s (450 per direction);
+    # H200 141 GB 4.8 TB/s; B200 180 GB (DGX B200) 8 TB/s, NVLink 5 1.8 TB/s, 2.25 PFLOP/s bf16;
+    # A100 SXM 80 GB 2.04 TB/s, NVLink 3 600 GB/s, 312 TFLOP/s. One 400 Gb/s NIC per GPU
+    # (200 Gb/s on A100 systems).
+    "h100": GpuKind("h100", hbm_gb=80, peak_bf16_tflops=989, hbm_gbps=3350, intra_node_gbps=450,
+                    inter_node_gbps=50),
+    "h200": GpuKind("h200", hbm_gb=141, peak_bf16_tflops=989, hbm_gbps=4800, intra_node_gbps=450,
+                    inter_node_gbps=50),
+    "b200": GpuKind("b200", hbm_gb=180, peak_bf16_tflops=2250, hbm_gbps=8000, intra_node_gbps=900,
+                    inter_node_gbps=50),
+    "a100": GpuKind("a100", hbm_gb=80, peak_bf16_tflops=312, hbm_gbps=2039, intra_node_gbps=300,
+                    inter_node_gbps=25),
+}
+
+#: per-collective launch + synchronisation latency, seconds
+LATENCY_INTRA_S = 15e-6
+LATENCY_INTER_S = 40e-6
+
+
+@dataclass(frozen=True)
+class Tier:
+    """A network domain above the node: ``gpus`` per domain; crossing it divides the NIC rate."""
+
+    name: str
+    gpus: int
+    oversubscription: float = 1.0
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpu: GpuKind
+    gpus: int
+    gpus_per_node: int
+    tiers: tuple[Tier, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1:
+            raise ValueError(f"--gpus must be positive, got {self.gpus}")
+        if self.gpus_per_node < 1:
+            raise ValueError(f"--gpus-per-node must be positive, got {self.gpus_per_node}")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise ValueError(f"--gpus ({self.gpus}) must be a multiple of --gpus-per-node "
+                             f"({self.gpus_per_node}) when it spans several nodes")
+        for tier in self.tiers:
+            if tier.gpus % self.gpus_per_node or tier.oversubscription < 1:
+                raise ValueError(f"cluster tier {tier.name!r}: gpus ({tier.gpus}) must be a multiple of "
+                                 f"gpus_per_node and oversubscription ({tier.oversubscription}) >= 1")
+
+    @property
+    def hbm_bytes(self) -> float:
+        return self.gpu.hbm_gb * 1e9
+
+    @property
+    def peak_flops(self) -> float:
+        return self.gpu.peak_bf16_tflops * 1e12
+
+    def group_bandwidth(self, size: int, stride: int) -> tuple[float, float, bool]:
+        """(bus bandwidth B/s, latency s, inside one node) of a collective group.
+
+        The group is ``size`` ranks ``stride`` apart in rank order (nodes hold consecutive ranks).
+        Inside a node: NVLink bus bandwidth. Across nodes: each node has ``k = G / stride`` members
+        (at least 1) whose NICs carry its traffic (rings/trees put one flow per NIC), so the group
+        gets min(NVLink, k x NIC / oversubscription of the largest tier the group spans).
+        """
+        g = self.gpu
+        intra = g.intra_node_gbps * g.link_efficiency * 1e9
+        span = size * stride
+        if size <= 1:
+            return intra, 0.0, True
+        if span <= self.gpus_per_node:
+            return intra, LATENCY_INTRA_S, True
+        members_per_node = max(1, self.gpus_per_node // stride)
+        inter = g.inter_node_gbps * g.link_efficiency * 1e9 / self.oversubscription(span)
+        return min(intra, members_per_node * inter), LATENCY_INTER_S, False
+
+    def nic_bandwidth(self, span: int) -> float:
+        """One GPU's own inter-node bandwidth (all-to-all cannot pool NICs), B/s."""
+        g = self.gpu
+        return g.inter_node_gbps * g.link_efficiency * 1e9 / self.oversubscription(span)
+
+    def oversubscription(self, span: int) -> float:
+        """Oversubscription a group of ``span`` consecutive ranks sees: that of the smallest
+        tier holding it (the largest tier's beyond all tiers; 1 inside a node or with no tiers)."""
+        if span <= self.gpus_per_node or not self.tiers:
+            return 1.0
+        ordered = sorted(self.tiers, key=lambda t: t.gpus)
+        for tier in ordered:
+            if span <= tier.gpus:
+                return tier.oversubscription
+        return ordered[-1].oversubscription
+
+
+def make_cluster(gpu: str, gpus: int, gpus_per_node: int | None = None, **overrides) -> Cluster:
+    """A cluster of ``gpus`` GPUs of kind ``gpu``; ``overrides`` replace GpuKind fields."""
+    if gpu not in GPUS:
+        raise ValueError(f"--gpu: unknown GPU kind {gpu!r}; known: {', '.join(GPUS)}")
+    kind = GPUS[gpu]
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(GpuKind)}
+    if unknown:
+        raise ValueError(f"cluster: unknown GPU fields {sorted(unknown)}")
+    if overrides:
+        kind = dataclasses.replace(kind, **overrides)
+    return Cluster(kind, gpus, gpus_per_node or kind.gpus_per_node)
+
+
+def load_cluster(path: str | Path, *, gpus: int | None = None, gpus_per_node: int | None = None,
+                 gpu: str | None = None) -> Cluster:
+    """A cluster TOML (module docstring); command-line values, when given, win over the file."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"--cluster: no such file {str(path)!r}")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"--cluster {path}: invalid TOML: {exc}") from None
+    table = dict(data.get("cluster", data))
+    tiers = tuple(Tier(**t) for t in table.pop("tiers", []))
+    kind = gpu or table.pop("gpu", "h100")
+    table.pop("gpu", None)
+    n = gpus or table.pop("gpus", None)
+    table.pop("gpus", None)
+    per_node = gpus_per_node or table.pop("gpus_per_node", None)
+    table.pop("gpus_per_node", None)
+    if n is None:
+        raise ValueError(f"--cluster {path}: give gpus in the file or --gpus")
+    cluster = make_cluster(kind, int(n), per_node, **table)
+    return dataclasses.replace(cluster, tiers=tiers)
+
+
+__all__ = ["GpuKind", "GPUS", "Tier", "Cluster", "make_cluster", "load_cluster"]

@@ -1,0 +1,341 @@
+"""First-principles cost model of one training step under a plan: memory per GPU and step time.
+
+Every formula is written out in docs/planner.md; the names below follow it. Units: bytes,
+seconds, FLOPs. The slowest pipeline stage is modelled (it holds ``ceil(layers / pp)`` layers).
+
+Memory (mixed-precision AdamW, FSDP2 keeps fp32 sharded weights):
+  parameters 4 B, gradients 4 B, optimizer 8 B per locally held weight, plus the bf16 weights
+  FSDP gathers (two layers in flight, or the whole stage when ``reshard_after_forward`` is off)
+  and their unsharded gradients; activations per token and layer from the tensors autograd
+  saves (``activation_elements``); logits for the LM loss; the GEM item table is sharded over
+  every GPU with a row-wise Adagrad state.
+Time: GEMM FLOPs / (peak x gemm efficiency) + attention FLOPs / (peak x attention efficiency) +
+  elementwise bytes / (HBM bandwidth x efficiency); collectives from message sizes and the bus
+  bandwidth of the network tier their group spans; overlap rules per dimension; the pipeline
+  bubble ``(pp - 1) / virtual_stages`` micro-batch times.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from gemcore.planner.cluster import Cluster
+from gemcore.planner.models import ModelSpec
+from gemcore.planner.plan import MESH_ORDER, MeshAxis, Plan
+
+#: share of HBM a plan may use; the rest covers the CUDA context, NCCL buffers and fragmentation
+MEMORY_HEADROOM = 0.9
+BF16, FP32 = 2, 4
+#: bytes per element of the LM-head logits alive at the loss: bf16 logits, fp32 upcast, bf16 grad
+LOGIT_BYTES = 8
+#: AdamW step + gradient-norm traffic per local weight: read p, g, m, v, write p, m, v (fp32), read g
+OPTIMIZER_BYTES_PER_PARAM = 32
+
+
+@dataclass
+class Estimate:
+    """Cost of one plan. Memory in bytes per GPU; times in seconds per optimizer step."""
+
+    plan: Plan
+    memory: dict[str, float]          #: parameters, gradients, optimizer, activations
+    memory_limit: float
+    compute_s: float
+    comm_exposed_s: dict[str, float]  #: per mesh dimension (+ embedding, pp p2p)
+    bubble_s: float
+    step_time_s: float
+    tokens_per_step: float
+    model_flops_per_step: float
+    num_gpus: int
+    peak_flops: float
+    num_microbatches: int
+    intra_node: list[str]
+    inter_node: list[str]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def memory_total(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_total <= self.memory_limit
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_step / self.step_time_s / self.num_gpus
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops_per_step / (self.step_time_s * self.num_gpus * self.peak_flops)
+
+    def to_dict(self) -> dict:
+        gb = 1e9
+        return {
+            **self.plan.degrees(),
+            "mbs": self.plan.mbs, "ac": self.plan.ac, "schedule": self.plan.schedule,
+            "virtual_stages": self.plan.virtual_stages,
+            "reshard_after_forward": self.plan.reshard_after_forward,
+            "num_microbatches": self.num_microbatches,
+            "memory_gb": round(self.memory_total / gb, 3),
+            "memory_breakdown_gb": {k: round(v / gb, 3) for k, v in self.memory.items()},
+            "memory_limit_gb": round(self.memory_limit / gb, 3),
+            "step_time_s": self.step_time_s,
+            "compute_s": self.compute_s,
+            "exposed_comm_s": dict(self.comm_exposed_s),
+            "bubble_s": self.bubble_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "mfu": self.mfu,
+            "intra_node": self.intra_node,
+            "inter_node": self.inter_node,
+            "notes": list(self.notes),
+        }
+
+
+# ---------------------------------------------------------------------- per-token counts
+@lru_cache(maxsize=256)
+def activation_elements(model: ModelSpec, ac: str, moe: bool) -> float:
+    """Elements autograd keeps per token for one layer (before dividing by tp).
+
+    none: attention — norm input h, qkv input h, q/k/v (hq·dqk + kv), attention output hq·dv;
+    MLP — norm input h, gate_up input h, gate and up 2F, down input F (experts: each of the
+    top-k copies keeps its input h and 3F_e, shared experts 3F_e). selective: the norm outputs
+    (2h) and the down input are recomputed. full: only the layer input h.
+    """
+    h = model.hidden
+    attn = 2 * h + model.num_heads * model.qk_head_dim + model.kv_dim + model.num_heads * model.value_head_dim
+    if moe:
+        fe = model.expert_ffn
+        mlp = 2 * h + model.top_k * (h + 3 * fe) + model.shared_experts * 3 * fe
+        down_inputs = (model.top_k + model.shared_experts) * fe
+    else:
+        mlp = 2 * h + 3 * model.ffn
+        down_inputs = model.ffn
+    if ac == "full":
+        return h
+    if ac == "selective":
+        return attn + mlp - 2 * h - down_inputs
+    return attn + mlp
+
+
+@lru_cache(maxsize=256)
+def elementwise_elements(model: ModelSpec, moe: bool) -> float:
+    """Elements read + written by the non-matmul kernels of one layer's forward per token:
+    two RMSNorms (4h), two residual adds (6h), RoPE on q and k, SiLU·mul (3F per MLP), and for
+    experts the token permutation there and back (4·top_k·h)."""
+    h = model.hidden
+    rope = 2 * (model.num_heads + model.num_kv_heads) * model.qk_head_dim
+    if moe:
+        mlp = 3 * model.expert_ffn * (model.top_k + model.shared_experts) + 4 * model.top_k * h
+    else:
+        mlp = 3 * model.ffn
+    return 10 * h + rope + mlp
+
+
+# ---------------------------------------------------------------------- collectives
+def ring_time(cluster: Cluster, plan: Plan, axis: MeshAxis, full_bytes: float, *,
+              all_reduce: bool = False, size: int | None = None, stride: int | None = None) -> float:
+    """All-gather / reduce-scatter of ``full_bytes`` (the unsharded size) over ``axis``'s groups:
+    S·(n−1)/n / busbw (x2 for all-reduce) plus one latency."""
+    n = size if size is not None else plan.degree(axis)
+    if n <= 1 or full_bytes <= 0:
+        return 0.0
+    bw, latency, _ = cluster.group_bandwidth(n, stride if stride is not None else plan.stride(axis))
+    return (2.0 if all_reduce else 1.0) * full_bytes * (n - 1) / n / bw + latency
+
+
+def all_to_all_time(cluster: Cluster, n: int, stride: int, send_bytes: float) -> float:
+    """All-to-all where each rank sends ``send_bytes`` in all, spread evenly over ``n`` ranks:
+    the share for ranks in other nodes goes at the rank's own NIC rate, the rest over NVLink."""
+    if n <= 1 or send_bytes <= 0:
+        return 0.0
+    bw_intra, latency, inside = cluster.group_bandwidth(n, stride)
+    if inside:
+        return send_bytes * (n - 1) / n / bw_intra + latency
+    per_node = max(1, cluster.gpus_per_node // stride)
+    remote = send_bytes * (n - per_node) / n / cluster.nic_bandwidth(n * stride)
+    local = send_bytes * (per_node - 1) / n / (cluster.gpu.intra_node_gbps * cluster.gpu.link_efficiency * 1e9)
+    return max(remote, local) + latency
+
+
+def placement(plan: Plan, cluster: Cluster) -> tuple[list[str], list[str]]:
+    """Mesh dimensions (degree > 1) whose groups sit inside a node, and those that cross nodes."""
+    inside, across = [], []
+    for axis in (*MESH_ORDER, MeshAxis.EP):
+        n = plan.degree(axis)
+        if n > 1:
+            (inside if n * plan.stride(axis) <= cluster.gpus_per_node else across).append(axis.value)
+    return inside, across
+
+
+def training_state_bytes(model: ModelSpec, plan: Plan) -> float:
+    """Lower bound of memory per GPU: the 16 B/weight of the sharded training state alone."""
+    dense_layers, expert_layers = model.layer_params
+    frac = math.ceil(model.num_layers / plan.pp) / model.num_layers
+    if model.kind == "llm":
+        edge = (max(model.embedding_params(), model.head_params()) if plan.pp > 1
+                else model.embedding_params() + model.head_params())
+    else:
+        edge = model.head_params()
+    return 4 * FP32 * ((dense_layers + expert_layers) * frac + edge) / (plan.tp * plan.fsdp_size)
+
+
+# ---------------------------------------------------------------------- the estimate
+def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | None = None,
+             global_batch: int | None = None) -> Estimate:
+    """Memory and step time of ``plan``. The plan must satisfy :meth:`Plan.violations` first."""
+    S = seq_len or model.seq_len
+    B = global_batch or model.batch_per_gpu * cluster.gpus
+    g = cluster.gpu
+    mean_len, mean_sq = model.length_moments(S)
+    tp, cp, pp, ep, v = plan.tp, plan.cp, plan.pp, plan.ep, plan.virtual_stages
+    n_mb = max(1, plan.num_microbatches(B))
+    L = model.num_layers
+    stage_layers = math.ceil(L / pp)
+    frac = stage_layers / L                        # share of each layer kind on the slowest stage
+    moe_frac = model.moe_layers / L
+    h = model.hidden
+
+    dense_layers, expert_layers = model.layer_params
+    stage_dense = dense_layers * frac
+    stage_expert = expert_layers * frac
+    llm = model.kind == "llm"
+    # LLM embedding and head are FSDP + vocab-parallel weights; on a pipeline the first stage holds
+    # the embedding, the last the head: the heavier of the two counts.
+    if llm:
+        edge = (max(model.embedding_params(), model.head_params()) if pp > 1
+                else model.embedding_params() + model.head_params())
+    else:
+        edge = model.head_params()
+    local_dense = (stage_dense + edge) / (tp * plan.fsdp_size)
+    local_expert = stage_expert / (tp * plan.fsdp_size)
+    local = local_dense + local_expert
+
+    # ------------------------------------------------------------------ memory
+    memory = {"parameters": FP32 * local, "gradients": FP32 * local, "optimizer": 2 * FP32 * local,
+              "activations": 0.0}
+    layer_weights = (dense_layers + expert_layers) / L / tp
+    if plan.fsdp_size > 1:
+        if plan.reshard_after_forward:
+            gathered = 2 * layer_weights          # the current layer and the prefetched next one
+            memory["parameters"] += BF16 * gathered
+            memory["gradients"] += BF16 * gathered
+        else:                                     # gathered once per step, grads accumulate unsharded
+            memory["parameters"] += BF16 * (stage_dense + stage_expert + edge) / tp
+            memory["gradients"] += FP32 * (stage_dense + stage_expert + edge) / tp
+    if model.kind == "gem":                       # item table: fp32 rows + row-wise Adagrad, over all GPUs
+        rows = model.embedding_rows
+        memory["parameters"] += FP32 * rows * h / cluster.gpus
+        memory["optimizer"] += FP32 * rows / cluster.gpus
+        memory["gradients"] += FP32 * h * B * mean_len / cluster.gpus
+
+    tokens_mb = plan.mbs * mean_len / cp          # tokens of one micro-batch on one GPU
+    act_token = ((1 - moe_frac) * activation_elements(model, plan.ac, False)
+                 + moe_frac * activation_elements(model, plan.ac, True))
+    per_layer_mb = BF16 * act_token * tokens_mb / tp
+    if plan.ac == "full":                         # the layer being recomputed holds everything
+        recompute_layer = BF16 * tokens_mb / tp * activation_elements(model, "none", model.is_moe)
+    else:
+        recompute_layer = 0.0
+    in_flight = 1.0
+    if pp > 1:                                    # the first stage holds pp micro-batches (1F1B)
+        in_flight = pp * (1 + (pp - 1) / (pp * v)) if v > 1 else pp
+        in_flight = min(in_flight, n_mb * 1.0)
+    acts = stage_layers * per_layer_mb * in_flight + recompute_layer
+    if llm:
+        logits = LOGIT_BYTES * tokens_mb * model.vocab_size / tp
+        acts = max(acts, stage_layers * per_layer_mb + logits) if pp > 1 else acts + logits
+    memory["activations"] = acts
+
+    # ------------------------------------------------------------------ compute per micro-batch
+    active_stage = (model.active_matmul_params() - model.head_params()) * frac
+    head = model.head_params()                    # on the last stage (pp > 1) or with the rest
+    gemm_flops = 6.0 * (active_stage + head) * tokens_mb / tp
+    attn_flops = (3.0 * model.num_heads * (model.qk_head_dim + model.value_head_dim) * stage_layers
+                  * plan.mbs * mean_sq / (tp * cp))
+    ew = ((1 - moe_frac) * elementwise_elements(model, False) + moe_frac * elementwise_elements(model, True))
+    ew_bytes = BF16 * 3 * ew * stage_layers * tokens_mb / tp      # forward + backward (2x forward)
+    recompute = {"none": 0.0, "selective": 0.0, "full": 1.0 / 3.0}[plan.ac]
+    if plan.ac == "selective":                    # norms and SiLU·mul run again
+        ew_bytes += BF16 * (4 * h + 3 * model.ffn) * stage_layers * tokens_mb / tp
+    if plan.ac == "full":
+        ew_bytes += BF16 * ew * stage_layers * tokens_mb / tp
+    shape = _gemm_shape_factor(min(tokens_mb, h, model.num_heads * model.qk_head_dim / tp,
+                                   (model.expert_ffn if model.is_moe else model.ffn) / tp))
+    peak = cluster.peak_flops
+    t_gemm = gemm_flops * (1 + recompute) / (peak * g.gemm_efficiency * shape)
+    t_attn = attn_flops * (1 + recompute) / (peak * g.attention_efficiency)
+    t_ew = ew_bytes / (g.hbm_gbps * 1e9 * g.memory_efficiency)
+    compute_mb = t_gemm + t_attn + t_ew
+    bwd_mb = compute_mb * 2 / 3
+
+    # ------------------------------------------------------------------ communication per micro-batch
+    passes = 3 if plan.ac == "full" else 2        # forward, backward (+ forward again)
+    act_bytes = BF16 * tokens_mb * h              # one activation tensor of the micro-batch
+    tp_mb = stage_layers * passes * 4 * ring_time(cluster, plan, MeshAxis.TP, act_bytes)
+    kv_chunk = BF16 * tokens_mb * model.kv_dim
+    cp_layer = (cp - 1) * (kv_chunk * (1 + 2 + (1 if plan.ac == "full" else 0))
+                           / cluster.group_bandwidth(cp, plan.stride(MeshAxis.CP))[0]) if cp > 1 else 0.0
+    cp_mb = stage_layers * max(0.0, cp_layer - t_attn / stage_layers)
+    ep_mb = 0.0
+    if model.is_moe and ep > 1:
+        send = BF16 * tokens_mb / tp * model.top_k * h
+        ep_mb = (model.moe_layers * frac) * 2 * passes * all_to_all_time(cluster, ep, tp, send)
+    pp_mb = 0.0
+    if pp > 1:
+        bw, latency, _ = cluster.group_bandwidth(2, plan.stride(MeshAxis.PP))
+        pp_mb = 2 * v * (act_bytes / tp / bw + latency)   # activations forward, gradients back
+
+    # FSDP over dp_shard x cp (dense) and dp_shard x cp / ep (experts), stride tp / tp·ep
+    dense_w = (stage_dense + edge) / tp
+    expert_w = stage_expert / tp
+
+    def fsdp(weight_count: float, n: int, stride: int, gathers: int, scatters: int) -> float:
+        if n <= 1:
+            return 0.0
+        gather = ring_time(cluster, plan, MeshAxis.DP_SHARD, BF16 * weight_count, size=n, stride=stride)
+        scatter = ring_time(cluster, plan, MeshAxis.DP_SHARD, FP32 * weight_count, size=n, stride=stride)
+        return gathers * gather + scatters * scatter
+
+    fsdp_n, fsdp_exp_n = plan.fsdp_size, plan.fsdp_size // ep
+    if plan.reshard_after_forward:
+        fsdp_per_mb = (fsdp(dense_w, fsdp_n, tp, 2, 1) + fsdp(expert_w, fsdp_exp_n, tp * ep, 2, 1))
+        fsdp_exposed = n_mb * max(fsdp_per_mb - compute_mb, fsdp_per_mb / stage_layers)
+    else:
+        gather = fsdp(dense_w, fsdp_n, tp, 1, 0) + fsdp(expert_w, fsdp_exp_n, tp * ep, 1, 0)
+        scatter = fsdp(dense_w, fsdp_n, tp, 0, 1) + fsdp(expert_w, fsdp_exp_n, tp * ep, 0, 1)
+        fsdp_exposed = (max(gather - compute_mb / 3, gather / stage_layers)
+                        + max(scatter - bwd_mb, scatter / stage_layers))
+    replicate = ring_time(cluster, plan, MeshAxis.DP_REPLICATE, FP32 * local, all_reduce=True)
+    replicate_exposed = max(replicate - bwd_mb, replicate / stage_layers) if replicate else 0.0
+    embed_exposed = 0.0
+    if model.kind == "gem":                       # looked-up rows there, their gradients back
+        send = BF16 * h * B * mean_len / cluster.gpus
+        embed_exposed = 2 * all_to_all_time(cluster, cluster.gpus, 1, send)
+
+    optimizer_s = OPTIMIZER_BYTES_PER_PARAM * local / (g.hbm_gbps * 1e9 * g.memory_efficiency)
+    t_mb = compute_mb + tp_mb + cp_mb + ep_mb + pp_mb
+    bubble = (pp - 1) / v * t_mb if pp > 1 else 0.0
+    comm = {"tp": n_mb * tp_mb, "cp": n_mb * cp_mb, "ep": n_mb * ep_mb, "pp": n_mb * pp_mb,
+            "fsdp": fsdp_exposed, "dp_replicate": replicate_exposed, "embedding": embed_exposed}
+    compute_total = n_mb * compute_mb + optimizer_s
+    step = compute_total + sum(comm.values()) + bubble
+
+    tokens_step = B * mean_len
+    model_flops = (6.0 * model.active_matmul_params() * tokens_step
+                   + 3.0 * model.num_heads * (model.qk_head_dim + model.value_head_dim) * L * B * mean_sq)
+    inside, across = placement(plan, cluster)
+    return Estimate(plan=plan, memory=memory, memory_limit=MEMORY_HEADROOM * cluster.hbm_bytes,
+                    compute_s=compute_total, comm_exposed_s={k: t for k, t in comm.items() if t},
+                    bubble_s=bubble, step_time_s=step, tokens_per_step=tokens_step,
+                    model_flops_per_step=model_flops, num_gpus=cluster.gpus, peak_flops=peak,
+                    num_microbatches=n_mb, intra_node=inside, inter_node=across)
+
+
+def _gemm_shape_factor(smallest_dim: float) -> float:
+    """GEMMs with a thin side run below the large-GEMM rate: d / (d + 64)."""
+    return smallest_dim / (smallest_dim + 64.0)
+
+
+__all__ = ["Estimate", "estimate", "training_state_bytes", "activation_elements", "elementwise_elements", "ring_time",
+           "all_to_all_time", "placement", "MEMORY_HEADROOM"]

@@ -1,0 +1,90 @@
+"""``gem plan``: JSON shape, --degrees evaluation and explanations, exit codes."""
+import json
+
+import pytest
+
+from gemcore.cli.main import main
+
+KEYS = {"dp_replicate", "dp_shard", "tp", "cp", "ep", "pp", "memory_gb", "step_time_s",
+        "tokens_per_s_per_gpu", "mfu", "mbs", "ac", "schedule", "memory_breakdown_gb", "compute_s",
+        "exposed_comm_s", "intra_node", "inter_node"}
+
+
+def run_json(capsys, *argv):
+    code = main(["plan", *argv, "--json"])
+    out = capsys.readouterr().out
+    return code, json.loads(out) if out.strip() else None
+
+
+def test_search_json_shape(capsys):
+    code, out = run_json(capsys, "--model", "llama3-8b", "--gpus", "16", "--gpus-per-node", "8",
+                         "--gpu", "h100", "--top", "3", "--global-batch", "32")
+    assert code == 0 and 1 <= len(out["plans"]) <= 3
+    for plan in out["plans"]:
+        assert KEYS <= set(plan)
+        degrees = plan["dp_replicate"] * plan["dp_shard"] * plan["cp"] * plan["tp"] * plan["pp"]
+        assert degrees == 16
+        assert set(plan["memory_breakdown_gb"]) == {"parameters", "gradients", "optimizer", "activations"}
+        assert 0 < plan["mfu"] < 1 and plan["memory_gb"] <= plan["memory_limit_gb"]
+    assert out["why"][0].startswith("best:")
+
+
+def test_degrees_evaluates_one_plan(capsys):
+    code, out = run_json(capsys, "--model", "llama3-70b", "--gpus", "64", "--gpu", "h100",
+                         "--degrees", "dp_shard=8,tp=8,ac=full", "--global-batch", "64")
+    assert code == 0 and len(out["plans"]) == 1
+    plan = out["plans"][0]
+    assert (plan["dp_shard"], plan["tp"], plan["ac"]) == (8, 8, "full")
+    assert plan["intra_node"] == ["tp"] and plan["inter_node"] == ["dp_shard"]
+
+
+@pytest.mark.parametrize("degrees, words", [
+    ("dp_shard=4,tp=3", ["tp=3 must divide the heads", "= 12 GPUs, but the cluster has 16"]),
+    ("dp_shard=2,tp=8", ["GB per GPU", "more than the"]),
+])
+def test_degrees_infeasible_explains_and_exits_2(capsys, degrees, words):
+    code, out = run_json(capsys, "--model", "llama3-70b", "--gpus", "16", "--degrees", degrees,
+                         "--global-batch", "16")
+    assert code == 2 and out["plans"] == []
+    text = " ".join(out["infeasible"])
+    for w in words:
+        assert w in text
+
+
+def test_model_that_cannot_fit_exits_2(capsys):
+    code = main(["plan", "--model", "llama3-405b", "--gpus", "8", "--global-batch", "8"])
+    err = capsys.readouterr().err
+    assert code == 2 and "no feasible plan" in err and "least memory-hungry layout" in err
+
+
+@pytest.mark.parametrize("argv, word", [
+    (["--model", "nope", "--gpus", "8"], "--model"),
+    (["--model", "llama3-8b"], "--gpus"),
+    (["--model", "llama3-8b", "--gpus", "12", "--gpus-per-node", "8"], "--gpus"),
+    (["--model", "llama3-8b", "--gpus", "8", "--degrees", "tp=x"], "--degrees"),
+    (["--model", "llama3-8b", "--gpus", "8", "--seq-len", "0"], "--seq-len"),
+])
+def test_bad_input_exits_2_naming_the_argument(capsys, argv, word):
+    assert main(["plan", *argv]) == 2
+    assert word in capsys.readouterr().err
+
+
+def test_text_output_and_model_file(capsys, tmp_path):
+    f = tmp_path / "gem.toml"
+    f.write_text('[model]\nbase = "gem-small"\nnum_layers = 4\n')
+    assert main(["plan", "--model", str(f), "--gpus", "8", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "tok/s/GPU" in out and "best:" in out
+
+
+def test_cluster_file_tiers(capsys, tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[cluster]\ngpu = "a100"\ngpus = 32\ngpus_per_node = 8\n'
+                 '[[cluster.tiers]]\nname = "rack"\ngpus = 16\noversubscription = 1.0\n'
+                 '[[cluster.tiers]]\nname = "spine"\ngpus = 32\noversubscription = 4.0\n')
+    code, flat = run_json(capsys, "--model", "llama3-8b", "--gpus", "32", "--gpu", "a100",
+                          "--degrees", "dp_shard=32", "--global-batch", "32")
+    code2, tiered = run_json(capsys, "--model", "llama3-8b", "--cluster", str(f), "--degrees", "dp_shard=32",
+                             "--global-batch", "32")
+    assert code == code2 == 0 and tiered["gpu"] == "a100"
+    assert tiered["plans"][0]["step_time_s"] > flat["plans"][0]["step_time_s"]
