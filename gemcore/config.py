@@ -85,7 +85,9 @@ class ParallelismConfig:
 
 @dataclass
 class CommsConfig:
-    backend: str = _f("none", "communication hook point: collective backend (none: no collectives)")
+    backend: str = _f("none", "communication hook point: none | auto | single | torch | mpi | ce | a plugin's name")
+    timeout_s: float = _f(300.0, "seconds a collective may wait for the other ranks")
+    check: bool = _f(True, "exchange a signature per call so that mismatched calls raise")
 
 
 @dataclass

@@ -1,0 +1,163 @@
+"""Backend ``torch``: torch.distributed, NCCL for CUDA tensors and gloo for CPU tensors.
+
+Rendezvous: under ``torchrun`` (or any ``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` environment)
+through ``env://``; under ``mpirun`` rank 0 picks an address and a free port and broadcasts them
+with MPI (mpi4py); a single process uses an in-memory store. An already initialised default
+process group is reused (and then left to its owner at finalize).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from gemcore.comms.base import DEFAULT_TIMEOUT_S, Communicator
+from gemcore.comms.launch import LaunchInfo, detect
+
+_REDUCE = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
+
+# torch >= 2.13 renamed the single-tensor collectives; older releases only have the old names
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def process_group_backend() -> str:
+    """``cpu:gloo,cuda:nccl`` where CUDA and NCCL are present, else ``gloo``."""
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        return "cpu:gloo,cuda:nccl"
+    return "gloo"
+
+
+class TorchCommunicator(Communicator):
+    """A torch.distributed process group (the default group, or a sub-group made by ``split``)."""
+
+    backend = "torch"
+
+    def __init__(self, *, timeout_s: float | None = DEFAULT_TIMEOUT_S, check: bool = True,
+                 pg_backend: str | None = None, launch: LaunchInfo | None = None) -> None:
+        super().__init__(timeout_s=timeout_s, check=check)
+        if not dist.is_available():
+            raise RuntimeError("backend 'torch': this PyTorch build has no torch.distributed")
+        launch = launch or detect()
+        self.group = None  # the default process group
+        self._ranks: list[int] = []  # global ranks of this group, by group rank
+        self._owns_default = False
+        if not dist.is_initialized():
+            _init_default_group(launch, pg_backend or process_group_backend(), timeout_s)
+            self._owns_default = True
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if launch.launcher != "none" and (rank, world) != (launch.rank, launch.world_size):
+            raise RuntimeError(f"backend 'torch': the process group says rank {rank} of {world} but "
+                               f"{launch.launcher} says rank {launch.rank} of {launch.world_size}")
+        self._ranks = list(range(world))
+        self._set_place(rank, world, launch.local_rank)
+
+    @classmethod
+    def _sub(cls, parent: "TorchCommunicator", group, members: list[int], rank: int) -> "TorchCommunicator":
+        sub = cls.__new__(cls)
+        Communicator.__init__(sub, timeout_s=parent.timeout_s, check=parent.check)
+        sub.group, sub._owns_default = group, False
+        sub._ranks = [parent._ranks[m] for m in members]
+        sub._set_place(rank, len(members), peers=parent._sub_peers(members))
+        return sub
+
+    # ------------------------------------------------------------------ collectives
+    def _all_gather_impl(self, t: torch.Tensor) -> torch.Tensor:
+        out = t.new_empty((self.world_size * t.shape[0], *t.shape[1:]))
+        if t.numel():
+            _all_gather_single(out, t, group=self.group)
+        return out
+
+    def _reduce_scatter_impl(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        out = t.new_empty((t.shape[0] // self.world_size, *t.shape[1:]))
+        if t.numel():
+            _reduce_scatter_single(out, t, op=_op(op), group=self.group)
+        return _finish_avg(out, op, self.world_size)
+
+    def _all_reduce_impl(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        out = t.clone()
+        if t.numel():
+            dist.all_reduce(out, op=_op(op), group=self.group)
+        return _finish_avg(out, op, self.world_size)
+
+    def _all_to_all_impl(self, t: torch.Tensor, in_splits: list[int], out_splits: list[int]) -> torch.Tensor:
+        out = t.new_empty((sum(out_splits), *t.shape[1:]))
+        dist.all_to_all_single(out, t, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                               group=self.group)
+        return out
+
+    def _broadcast_impl(self, t: torch.Tensor, src: int) -> None:
+        if t.numel():
+            dist.broadcast(t, src=self._ranks[src], group=self.group)
+
+    def _barrier_impl(self) -> None:
+        # a CPU all-reduce (gloo) instead of dist.barrier: NCCL's barrier needs a device per rank
+        dist.all_reduce(torch.zeros(1), group=self.group)
+
+    def _split_impl(self, groups: list[list[int]], index: int) -> Communicator:
+        timeout = _timedelta(self.timeout_s)
+        mine = None
+        for i, members in enumerate(groups):  # every rank creates every group, in the same order
+            group = dist.new_group([self._ranks[m] for m in members], timeout=timeout)
+            if i == index:
+                mine = group
+        members = groups[index]
+        return TorchCommunicator._sub(self, mine, members, members.index(self.rank))
+
+    def _finalize_impl(self) -> None:
+        if self._owns_default and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _op(op: str):
+    return getattr(dist.ReduceOp, _REDUCE[op])
+
+
+def _finish_avg(out: torch.Tensor, op: str, world_size: int) -> torch.Tensor:
+    return out.div_(world_size) if op == "avg" else out
+
+
+def _timedelta(timeout_s: float | None) -> datetime.timedelta | None:
+    return None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+
+
+def _init_default_group(launch: LaunchInfo, pg_backend: str, timeout_s: float | None) -> None:
+    if torch.cuda.is_available() and "nccl" in pg_backend:
+        torch.cuda.set_device((launch.local_rank or 0) % torch.cuda.device_count())
+    timeout = _timedelta(timeout_s)
+    if launch.launcher == "none":
+        dist.init_process_group(pg_backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    elif launch.under_mpi and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
+        addr, port = _mpi_rendezvous()
+        dist.init_process_group(pg_backend, init_method=f"tcp://{addr}:{port}", rank=launch.rank,
+                                world_size=launch.world_size, timeout=timeout)
+    else:
+        if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+            raise RuntimeError(f"backend 'torch': {launch.launcher} set RANK/WORLD_SIZE but not "
+                               f"MASTER_ADDR/MASTER_PORT")
+        dist.init_process_group(pg_backend, init_method="env://", rank=launch.rank,
+                                world_size=launch.world_size, timeout=timeout)
+
+
+def _mpi_rendezvous() -> tuple[str, int]:
+    """Rank 0's address and a free port of it, agreed through MPI."""
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise RuntimeError("backend 'torch' under mpirun agrees on its rendezvous address through "
+                           "MPI: install mpi4py (pip install 'gemcore[mpi]') or set MASTER_ADDR and "
+                           f"MASTER_PORT ({exc})") from exc
+    world = MPI.COMM_WORLD
+    hosts = world.allgather(socket.gethostname())
+    if world.rank == 0:
+        addr = "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(socket.gethostname())
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        found = (addr, port)
+    else:
+        found = None
+    return world.bcast(found, root=0)

@@ -1,0 +1,224 @@
+"""collective bandwidth in the nccl-tests format (size, count, type, time, algbw, busbw)
+
+    mpirun -n 4 gem bench comms --backend mpi --op all_gather --min-bytes 1K --max-bytes 64M
+    torchrun --nproc-per-node 8 -m gemcore.cli.main bench comms --backend torch --op all_reduce --json
+
+Run one process per GPU (or per CPU rank). Definitions follow nccl-tests: ``size`` is the bytes of
+the op's full buffer (all_gather: the gathered output; reduce_scatter: the input; all_to_all: one
+rank's send buffer; all_reduce and broadcast: the tensor), ``algbw = size / time`` with
+GB = 1e9 bytes, and ``busbw = algbw * factor`` with factor (n-1)/n for all_gather,
+reduce_scatter and all_to_all, 2(n-1)/n for all_reduce and 1 for broadcast. ``time`` is the mean
+over ``--iters`` calls after ``--warmup``, the slowest rank's (max over ranks).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "int64": torch.int64, "uint8": torch.uint8}
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_bytes(text: str, name: str = "size") -> int:
+    """``"1K"`` -> 1024, ``"64M"``, ``"1G"``, ``"4096"`` (binary units, like nccl-tests)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)I?B?\s*", str(text).upper())
+    if not m:
+        raise ValueError(f"{name}: cannot read {text!r} as bytes (e.g. 1K, 64M, 1G)")
+    return int(m.group(1)) * _UNITS[m.group(2)]
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' busbw / algbw for ``op`` on ``n`` ranks."""
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op == "broadcast":
+        return 1.0
+    raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
+
+
+def sizes(min_bytes: int, max_bytes: int, factor: int = 2) -> list[int]:
+    if min_bytes < 1 or max_bytes < min_bytes:
+        raise ValueError(f"--min-bytes ({min_bytes}) must be >= 1 and <= --max-bytes ({max_bytes})")
+    if factor < 2:
+        raise ValueError(f"--step-factor must be >= 2, got {factor}")
+    out, s = [], min_bytes
+    while s <= max_bytes:
+        out.append(s)
+        s *= factor
+    return out
+
+
+@dataclass
+class Row:
+    """One line of the table."""
+
+    op: str
+    size_bytes: int
+    count: int
+    dtype: str
+    time_us: float
+    algbw_gbs: float
+    busbw_gbs: float
+    ranks: int
+    backend: str
+    checked: bool
+
+
+@dataclass
+class Case:
+    """One collective call at one size: ``call()`` runs it on prepared buffers."""
+
+    op: str
+    size_bytes: int
+    count: int
+    call: Callable[[], object]
+    check: Callable[[], bool]
+
+
+def make_case(comm, op: str, size_bytes: int, dtype: torch.dtype, device: torch.device) -> Case | None:
+    """Buffers for ``op`` moving ``size_bytes`` (rounded down to whole elements per rank); None if
+    the size holds less than one element per rank."""
+    n, elem = comm.world_size, torch.empty((), dtype=dtype).element_size()
+    count = size_bytes // elem
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        count -= count % n
+    if count < (n if op != "all_reduce" and op != "broadcast" else 1):
+        return None
+    value = float(comm.rank + 1)
+    if op == "all_gather":
+        x = torch.full((count // n,), value, dtype=dtype, device=device)
+        call = lambda: comm.all_gather(x)  # noqa: E731
+        check = lambda: bool((comm.all_gather(x)[:: max(1, count // n)] ==  # noqa: E731
+                              torch.arange(1, n + 1, dtype=dtype, device=device)).all())
+    elif op == "reduce_scatter":
+        x = torch.full((count,), value, dtype=dtype, device=device)
+        call = lambda: comm.reduce_scatter(x)  # noqa: E731
+        check = lambda: bool((comm.reduce_scatter(x) == n * (n + 1) // 2).all())  # noqa: E731
+    elif op == "all_reduce":
+        x = torch.full((count,), value, dtype=dtype, device=device)
+        call = lambda: comm.all_reduce(x)  # noqa: E731
+        check = lambda: bool((comm.all_reduce(x) == n * (n + 1) // 2).all())  # noqa: E731
+    elif op == "all_to_all":
+        x = torch.full((count,), value, dtype=dtype, device=device)
+        splits = [count // n] * n
+        call = lambda: comm.all_to_all(x, splits, splits)  # noqa: E731
+        check = lambda: bool((comm.all_to_all(x, splits, splits)[:: max(1, count // n)] ==  # noqa: E731
+                              torch.arange(1, n + 1, dtype=dtype, device=device)).all())
+    else:
+        x = torch.full((count,), value, dtype=dtype, device=device)
+        call = lambda: comm.broadcast(x, src=0)  # noqa: E731
+        check = lambda: bool((comm.broadcast(x.fill_(value), src=0) == 1).all())  # noqa: E731
+    return Case(op, count * elem, count, call, check)
+
+
+def time_case(comm, case: Case, warmup: int, iters: int, device: torch.device) -> float:
+    """Mean seconds per call, the slowest rank's."""
+    for _ in range(warmup):
+        case.call()
+    _sync(device)
+    comm.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        case.call()
+    _sync(device)
+    mine = (time.perf_counter() - start) / iters
+    return float(comm.all_reduce(torch.tensor([mine], dtype=torch.float64), op="max")[0])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(comm, ops: list[str], byte_sizes: list[int], dtype_name: str, device: torch.device,
+            warmup: int, iters: int, check: bool) -> list[Row]:
+    rows = []
+    for op in ops:
+        for size in byte_sizes:
+            case = make_case(comm, op, size, DTYPES[dtype_name], device)
+            if case is None:
+                continue
+            if check and not case.check():
+                raise RuntimeError(f"[rank {comm.rank}] {comm.backend} {op} at {size} bytes gave a wrong result")
+            seconds = time_case(comm, case, warmup, iters, device)
+            algbw = case.size_bytes / seconds / 1e9
+            rows.append(Row(op, case.size_bytes, case.count, dtype_name, seconds * 1e6, algbw,
+                            algbw * bus_factor(op, comm.world_size), comm.world_size, comm.backend, check))
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    lines = []
+    for op in dict.fromkeys(r.op for r in rows):
+        mine = [r for r in rows if r.op == op]
+        lines.append(f"# {op}, backend {mine[0].backend}, {mine[0].ranks} ranks")
+        lines.append(f"# {'size(B)':>12} {'count':>12} {'type':>9} {'time(us)':>10} "
+                     f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11}")
+        for r in mine:
+            lines.append(f"  {r.size_bytes:>12} {r.count:>12} {r.dtype:>9} {r.time_us:>10.1f} "
+                         f"{r.algbw_gbs:>11.3f} {r.busbw_gbs:>11.3f}")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default="auto", help="communication backend (auto, torch, mpi, ce, ...)")
+    p.add_argument("--op", default="all_gather",
+                   help=f"collective(s), comma-separated, or 'all': {', '.join(OPS)}")
+    p.add_argument("--min-bytes", "--min", dest="min_bytes", default="1K", help="smallest size (e.g. 1K)")
+    p.add_argument("--max-bytes", "--max", dest="max_bytes", default="64M", help="largest size (e.g. 1G)")
+    p.add_argument("--step-factor", type=int, default=2, help="size multiplier between rows")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: the local GPU when CUDA is present")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--no-check", dest="check", action="store_false", help="skip the one correctness check per size")
+    p.add_argument("--timeout-s", type=float, default=300.0)
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="backend option, e.g. delegate=mpi for ce")
+    p.add_argument("--json", action="store_true", help="print one JSON list of rows instead of the table")
+
+
+def run(args: argparse.Namespace) -> int:
+    ops = list(OPS) if args.op == "all" else [o.strip() for o in args.op.split(",") if o.strip()]
+    for op in ops:
+        if op not in OPS:
+            raise ValueError(f"--op must be one of {', '.join(OPS)} or 'all', got {op!r}")
+    if args.warmup < 0 or args.iters < 1:
+        raise ValueError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
+    byte_sizes = sizes(parse_bytes(args.min_bytes, "--min-bytes"), parse_bytes(args.max_bytes, "--max-bytes"),
+                       args.step_factor)
+    options = dict(kv.split("=", 1) for kv in args.option)
+    from gemcore import comms
+
+    # the signature check costs one small exchange per call: off while timing, on for the check
+    comm = comms.init(args.backend, timeout_s=args.timeout_s, check=False, **options)
+    try:
+        use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+        device = torch.device("cpu")
+        if use_cuda:
+            device = torch.device("cuda", comm.local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        rows = measure(comm, ops, byte_sizes, args.dtype, device, args.warmup, args.iters, args.check)
+        if comm.rank == 0:
+            if args.json:
+                print(json.dumps([asdict(r) for r in rows], indent=1))
+            else:
+                print(f"# gem bench comms: {comm.describe()}, device {device}, {args.iters} iters "
+                      f"after {args.warmup} warm-up, time = slowest rank's mean")
+                print(format_table(rows))
+            sys.stdout.flush()
+    finally:
+        comms.finalize()
+    return 0

@@ -1,0 +1,42 @@
+"""The copy-engine backend on a GPU: several processes sharing the node's GPU(s) run the
+conformance suite (every SM-free op against values computed locally, plus delegated reductions),
+with the mpi backend as delegate. Skipped without a CUDA GPU, CuPy or mpirun."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+MPIRUN = Path(sys.executable).parent / "mpirun"
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="needs CuPy (the 'gpu' extra)"),
+    pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None, reason="needs mpi4py (the 'mpi' extra)"),
+]
+
+
+def _mpirun() -> str:
+    if MPIRUN.exists():
+        return str(MPIRUN)
+    return "mpirun"
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ce_conformance_on_one_node(n):
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+    cmd = [_mpirun(), "-n", str(n), "--oversubscribe", sys.executable, "-m", "gemcore.comms.conformance",
+           "--backend", "ce", "--device", "cuda", "--option", "delegate=mpi",
+           "--dtypes", "float32,bfloat16,int64,bool"] + (["--large"] if n == 2 else [])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    for rank in range(n):
+        assert f"[rank {rank}] OK ce " in proc.stdout, out[-6000:]
