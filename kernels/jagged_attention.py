@@ -5,22 +5,10 @@ from typing import Any
 
 import torch
 
+from gemcore.kernels.jagged_attention_checks import BACKENDS, check_static, check_values
 from gemcore.kernels.jagged_attention_reference import ACTIVATIONS, jagged_attention_reference
 
-BACKENDS = ("auto", "triton", "reference")
-
-
-def _validate_offsets(name: str, offsets: torch.Tensor, total: int) -> None:
-    if offsets.dim() != 1 or offsets.numel() < 1:
-        raise ValueError(f"{name} must be a 1-D tensor of B+1 starts, got shape {tuple(offsets.shape)}")
-    if offsets.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name} must be int32 or int64, got {offsets.dtype}")
-    if int(offsets[0]) != 0:
-        raise ValueError(f"{name} must start at 0, got {int(offsets[0])}")
-    if offsets.numel() > 1 and bool((offsets[1:] < offsets[:-1]).any()):
-        raise ValueError(f"{name} must be non-decreasing")
-    if int(offsets[-1]) != total:
-        raise ValueError(f"{name} must end at the number of tokens ({total}), got {int(offsets[-1])}")
+__all__ = ["ACTIVATIONS", "BACKENDS", "jagged_attention", "make_attention"]
 
 
 def jagged_attention(q, k, v, offsets, *, kv_offsets=None, activation="softmax", causal=False,
@@ -28,21 +16,21 @@ def jagged_attention(q, k, v, offsets, *, kv_offsets=None, activation="softmax",
                      backend="auto") -> torch.Tensor:
     """Attention over jagged sequences, no padding.
 
-    q: (Tq, H, Dqk), k: (Tk, H, Dqk), v: (Tk, H, Dv); offsets: (B+1,) starts of q's sequences
-    (and k/v's unless ``kv_offsets``). Returns (Tq, H, Dv) in q's dtype. See the README of
-    issue 3 / docs for the semantics of each argument.
+    q: (Tq, H, Dqk), k: (Tk, H, Dqk), v: (Tk, H, Dv) in float32, float16 or bfloat16;
+    offsets: (B+1,) starts of q's sequences (and of k/v's unless ``kv_offsets`` is given: cross
+    attention, q sequence b attends to kv sequence b). ``offsets=None`` is pooled attention: q of
+    shape (Nq, H, Dqk) is shared by every kv sequence and the result is (B, Nq, H, Dv).
+
+    activation: "softmax" or one of :data:`ACTIVATIONS` (``out_i = sum_j act(scale q_i.k_j) v_j
+    / norm`` over allowed keys). causal (self-attention only): key j <= query i.
+    num_targets: (B,) candidates at the end of each sequence (causal only), each sees the history
+    and itself. window: (left, right) in tokens, None or negative = unbounded. scale defaults to
+    1/sqrt(Dqk); norm (non-softmax only) to max_seqlen, which defaults to the longest q or kv
+    sequence. backend: "auto" (triton on CUDA, reference elsewhere), "triton" or "reference".
+    Returns (Tq, H, Dv) in q's dtype. Bad input raises ValueError naming the argument.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if activation != "softmax" and activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be 'softmax' or one of {sorted(ACTIVATIONS)}, got {activation!r}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 3:
-            raise ValueError(f"{name} must be (T, H, D), got shape {tuple(t.shape)}")
-    if offsets is not None:
-        _validate_offsets("offsets", offsets, q.shape[0])
-    if kv_offsets is not None:
-        _validate_offsets("kv_offsets", kv_offsets, k.shape[0])
+    check_static(q, k, v, offsets, kv_offsets, activation, causal, scale, norm, num_targets,
+                 window, max_seqlen, backend)
     if backend == "auto":
         backend = "triton" if q.is_cuda else "reference"
     if backend == "triton":
@@ -51,16 +39,27 @@ def jagged_attention(q, k, v, offsets, *, kv_offsets=None, activation="softmax",
         return jagged_attention_triton.jagged_attention_triton(
             q, k, v, offsets, kv_offsets=kv_offsets, activation=activation, causal=causal,
             scale=scale, norm=norm, num_targets=num_targets, window=window, max_seqlen=max_seqlen)
+    resolved = check_values(q, k, offsets, kv_offsets, num_targets,
+                            -1 if max_seqlen is None else max_seqlen)
     return jagged_attention_reference(
         q, k, v, offsets, kv_offsets=kv_offsets, activation=activation, causal=causal, scale=scale,
-        norm=norm, num_targets=num_targets, window=window, max_seqlen=max_seqlen)
+        norm=norm, num_targets=num_targets, window=window, max_seqlen=resolved)
 
 
 def make_attention(config: Any, backend: str = "auto", activation: str | None = None):
-    """Bind an :class:`gemcore.config.AttentionConfig` into the attention hook's callable."""
+    """Bind an :class:`gemcore.config.AttentionConfig` into the attention hook's callable.
+
+    ``activation`` overrides ``config.activation``; ``config.scale`` / ``config.norm`` of 0 mean
+    the defaults (1/sqrt(head_dim), max_seqlen). The callable is
+    ``attend(q, k, v, offsets, *, causal=True, num_targets=None, max_seqlen=None)``.
+    """
     act = activation or config.activation
     scale = config.scale or None
-    norm = config.norm or None
+    norm = (config.norm or None) if act != "softmax" else None
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if act != "softmax" and act not in ACTIVATIONS:
+        raise ValueError(f"activation must be 'softmax' or one of {sorted(ACTIVATIONS)}, got {act!r}")
 
     def attend(q, k, v, offsets, *, causal=True, num_targets=None, max_seqlen=None):
         return jagged_attention(q, k, v, offsets, activation=act, causal=causal, scale=scale,

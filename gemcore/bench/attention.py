@@ -1,0 +1,296 @@
+"""Jagged attention: gemcore's useful TFLOP/s (fwd, fwd+bwd) and peak memory beside stock PyTorch.
+
+Workloads and the FLOP count follow ANCHORS.md: H=4, D=128, bf16; useful forward FLOPs =
+4·Σ(Lq·Lk)·H·D (halved for causal self-attention), forward+backward = 3.5 × forward. The anchors
+(padded SDPA, ``torch.nn.attention.varlen.varlen_attn``, FlexAttention with a document mask,
+nested-tensor SDPA) are measured in the same run, on the same inputs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+WORKLOADS = ("dense95", "heavytail", "cross")
+ANCHORS = ("sdpa", "varlen", "flex", "nested")
+
+
+@dataclass
+class Row:
+    name: str
+    fwd_ms: float | None
+    fwdbwd_ms: float | None
+    fwd_tflops: float | None
+    fwdbwd_tflops: float | None
+    peak_gb: float | None
+    note: str = ""
+
+
+def lengths_for(kind: str, B: int, max_len: int, gen: torch.Generator) -> torch.Tensor:
+    """ANCHORS.md's length laws."""
+    if kind == "dense95":
+        return torch.randint(int(0.9 * max_len), max_len, (B,), generator=gen)
+    if kind == "heavytail":
+        x = torch.empty(B).log_normal_(math.log(max_len / 16), 1.2, generator=gen)
+        return x.clamp(8, max_len).long()
+    if kind == "uniform":
+        return torch.randint(1, max_len + 1, (B,), generator=gen)
+    raise ValueError(kind)
+
+
+def workload_lengths(workload: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(q lengths, kv lengths or None for self-attention), seeded as ANCHORS.md says."""
+    gen = torch.Generator().manual_seed(0)
+    dense = lengths_for("dense95", 256, 2048, gen)
+    if workload == "dense95":
+        return dense, None
+    heavy = lengths_for("heavytail", 256, 4096, gen)
+    if workload == "heavytail":
+        return heavy, None
+    gen = torch.Generator().manual_seed(0)
+    return lengths_for("uniform", 1152, 2048, gen), torch.full((1152,), 256, dtype=torch.long)
+
+
+def useful_fwd_flops(q_lens: torch.Tensor, kv_lens: torch.Tensor | None, H: int, D: int,
+                     causal: bool) -> float:
+    kv = q_lens if kv_lens is None else kv_lens
+    flops = 4.0 * float((q_lens.double() * kv.double()).sum()) * H * D
+    return flops / 2 if causal else flops
+
+
+def _median_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def measure(name: str, forward: Callable[[], torch.Tensor], inputs, flops: float,
+            iters: int) -> Row:
+    """Time forward and forward+backward of ``forward()`` w.r.t. ``inputs``; peak memory of fwd+bwd."""
+    try:
+        out = forward()
+        grad = torch.randn_like(out)
+
+        def fwdbwd():
+            torch.autograd.grad(forward(), inputs, grad)
+
+        with torch.no_grad():
+            fwd_ms = _median_ms(forward, iters)
+        fwdbwd_ms = _median_ms(fwdbwd, iters)
+        del out
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fwdbwd()
+        torch.cuda.synchronize()
+        peak_gb = (torch.cuda.max_memory_allocated() - base) / 1e9
+    except Exception as exc:  # an anchor missing from this torch build is reported, not fatal
+        return Row(name, None, None, None, None, None, f"{type(exc).__name__}: {str(exc)[:80]}")
+    return Row(name, fwd_ms, fwdbwd_ms, flops / fwd_ms / 1e9, 3.5 * flops / fwdbwd_ms / 1e9, peak_gb)
+
+
+def _padded(x: torch.Tensor, offsets: torch.Tensor, lmax: int) -> torch.Tensor:
+    """(T, H, D) jagged -> (B, H, lmax, D) zero-padded (differentiable)."""
+    B = offsets.numel() - 1
+    lengths = offsets.diff()
+    rows = torch.repeat_interleave(torch.arange(B, device=x.device), lengths)
+    cols = torch.arange(x.shape[0], device=x.device) - offsets[:-1].repeat_interleave(lengths)
+    out = x.new_zeros(B, lmax, x.shape[1], x.shape[2]).index_put((rows, cols), x)
+    return out.transpose(1, 2)
+
+
+def anchor_rows(which, q, k, v, q_off, kv_off, q_max, kv_max, causal, flops, iters) -> list[Row]:
+    import torch.nn.functional as F
+
+    rows = []
+    if "sdpa" in which:
+        def sdpa():
+            qp, kp, vp = _padded(q, q_off, q_max), _padded(k, kv_off, kv_max), _padded(v, kv_off, kv_max)
+            return F.scaled_dot_product_attention(qp, kp, vp, is_causal=causal)
+        rows.append(measure("padded SDPA (pad inside the timing)", sdpa, (q, k, v), flops, iters))
+        qp, kp, vp = (t.detach().requires_grad_() for t in (
+            _padded(q, q_off, q_max), _padded(k, kv_off, kv_max), _padded(v, kv_off, kv_max)))
+        rows.append(measure("padded SDPA (pre-padded)", lambda: F.scaled_dot_product_attention(
+            qp, kp, vp, is_causal=causal), (qp, kp, vp), flops, iters))
+        del qp, kp, vp
+    if "varlen" in which:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError as exc:
+            rows.append(Row("varlen_attn", None, None, None, None, None, f"absent: {exc}"))
+        else:
+            cq, ck = q_off.to(torch.int32), kv_off.to(torch.int32)
+            window = (-1, 0) if causal else (-1, -1)
+            rows.append(measure("varlen_attn", lambda: varlen_attn(
+                q, k, v, cq, ck, q_max, kv_max, window_size=window), (q, k, v), flops, iters))
+    if "nested" in which:
+        def nested():
+            nq, nk, nv = (torch.nested.nested_tensor_from_jagged(t, off).transpose(1, 2)
+                          for t, off in ((q, q_off), (k, kv_off), (v, kv_off)))
+            return F.scaled_dot_product_attention(nq, nk, nv, is_causal=causal).transpose(1, 2).values()
+        rows.append(measure("nested jagged SDPA", nested, (q, k, v), flops, iters))
+    if "flex" in which:
+        rows.append(_flex_row(q, k, v, q_off, kv_off, causal, flops, iters))
+    return rows
+
+
+def _flex_row(q, k, v, q_off, kv_off, causal, flops, iters) -> Row:
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError as exc:
+        return Row("FlexAttention", None, None, None, None, None, f"absent: {exc}")
+    dev = q.device
+    doc_q = torch.repeat_interleave(torch.arange(q_off.numel() - 1, device=dev), q_off.diff())
+    doc_k = torch.repeat_interleave(torch.arange(kv_off.numel() - 1, device=dev), kv_off.diff())
+    pos_q = torch.arange(q.shape[0], device=dev) - q_off[doc_q]
+    pos_k = torch.arange(k.shape[0], device=dev) - kv_off[doc_k]
+
+    def mask_mod(b, h, i, j):
+        same = doc_q[i] == doc_k[j]
+        return (same & (pos_k[j] <= pos_q[i])) if causal else same
+
+    try:
+        mask = create_block_mask(mask_mod, None, None, q.shape[0], k.shape[0], device=dev, _compile=True)
+        flex = torch.compile(flex_attention)
+    except Exception as exc:
+        return Row("FlexAttention", None, None, None, None, None, f"{type(exc).__name__}: {str(exc)[:80]}")
+    packed = [t.detach().transpose(0, 1).unsqueeze(0).requires_grad_() for t in (q, k, v)]
+    return measure("FlexAttention (document mask)", lambda: flex(*packed, block_mask=mask),
+                   packed, flops, iters)
+
+
+TUNE_CANDIDATES = {
+    "fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4),
+            (128, 128, 8, 2), (64, 128, 4, 3)],
+    "dkdv": [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 8, 3),
+             (128, 128, 8, 2)],
+    "dq": [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 8, 2), (128, 128, 8, 2),
+           (128, 64, 8, 3)],
+}
+
+
+def tune(forward: Callable[[], torch.Tensor], inputs, head_dim: int, flops: float) -> None:
+    """Sweep each kernel's candidate tiles (the others at their current best) and install the
+    fastest in ``jagged_attention_triton.CONFIGS`` for this head dim; prints every timing."""
+    from gemcore.kernels import jagged_attention_triton as jt
+
+    bucket = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+    grad = torch.randn_like(forward())
+    for kernel, candidates in TUNE_CANDIDATES.items():
+        timings = {}
+        for cand in candidates:
+            cfg = jt.TileConfig(*cand)
+            with jt.pinned_configs(**{kernel: cfg}):
+                try:
+                    if kernel == "fwd":
+                        with torch.no_grad():
+                            ms = _median_ms(forward, 5, warmup=1)
+                        tflops = flops / ms / 1e9
+                    else:
+                        ms = _median_ms(lambda: torch.autograd.grad(forward(), inputs, grad), 5, warmup=1)
+                        tflops = 3.5 * flops / ms / 1e9
+                except Exception as exc:  # a tile that does not fit this GPU
+                    print(f"tune {kernel} {cand}: {type(exc).__name__}")
+                    continue
+            timings[cand] = ms
+            print(f"tune {kernel} {cand}: {ms:.3f} ms ({'fwd' if kernel == 'fwd' else 'fwd+bwd'} {tflops:.1f} TFLOP/s)")
+        if timings:
+            best = min(timings, key=timings.get)
+            jt.CONFIGS[(kernel, bucket)] = jt.TileConfig(*best)
+            print(f"tune {kernel}: best {best}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", choices=WORKLOADS, default="dense95")
+    p.add_argument("--activation", default=None,
+                   help="gemcore's activation (default: softmax and silu for self-attention, gelu_tanh for cross)")
+    p.add_argument("--anchors", default="sdpa,varlen",
+                   help=f"comma-separated anchors from {ANCHORS}, 'all' or 'none'")
+    p.add_argument("--pma", type=int, default=0, help="also time pooled attention with this many queries")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--tune", action="store_true",
+                   help="first sweep the tile configs of each kernel on this workload and use the fastest")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    from gemcore.kernels import jagged_attention
+
+    if not torch.cuda.is_available():
+        print("gem bench attention needs a CUDA GPU")
+        return 2
+    dev, dtype, H, D = torch.device("cuda"), torch.bfloat16, 4, 128
+    q_lens, kv_lens = workload_lengths(args.workload)
+    cross = kv_lens is not None
+    causal = not cross
+    activations = [args.activation] if args.activation else (["gelu_tanh"] if cross else ["softmax", "silu"])
+    q_off = torch.nn.functional.pad(q_lens.cumsum(0), (1, 0)).to(dev)
+    kv_off = q_off if not cross else torch.nn.functional.pad(kv_lens.cumsum(0), (1, 0)).to(dev)
+    gen = torch.Generator(device=dev).manual_seed(1)
+    q = torch.randn(int(q_off[-1]), H, D, device=dev, dtype=dtype, generator=gen).requires_grad_()
+    k = torch.randn(int(kv_off[-1]), H, D, device=dev, dtype=dtype, generator=gen).requires_grad_()
+    v = torch.randn(int(kv_off[-1]), H, D, device=dev, dtype=dtype, generator=gen).requires_grad_()
+    q_max = int(q_lens.max())
+    kv_max = int(kv_lens.max()) if cross else q_max
+    flops = useful_fwd_flops(q_lens, kv_lens, H, D, causal)
+    rows = []
+    if args.tune:
+        kw = dict(kv_offsets=kv_off if cross else None, activation=activations[0], causal=causal,
+                  max_seqlen=max(q_max, kv_max), backend="triton")
+        tune(lambda: jagged_attention(q, k, v, q_off, **kw), (q, k, v), D, flops)
+    for act in activations:
+        kw = dict(kv_offsets=kv_off if cross else None, activation=act, causal=causal,
+                  max_seqlen=max(q_max, kv_max), backend="triton")
+        rows.append(measure(f"gemcore {act}", lambda kw=kw: jagged_attention(q, k, v, q_off, **kw),
+                            (q, k, v), flops, args.iters))
+    which = ANCHORS if args.anchors == "all" else () if args.anchors == "none" else tuple(args.anchors.split(","))
+    rows += anchor_rows(which, q, k, v, q_off, kv_off, q_max, kv_max, causal, flops, args.iters)
+    if args.pma:
+        pq = torch.randn(args.pma, H, D, device=dev, dtype=dtype, generator=gen).requires_grad_()
+        pma_flops = useful_fwd_flops(torch.full_like(kv_lens if cross else q_lens, args.pma),
+                                     kv_lens if cross else q_lens, H, D, False)
+        for act in activations:
+            rows.append(measure(f"gemcore PMA {act} (Nq={args.pma})", lambda act=act: jagged_attention(
+                pq, k, v, None, kv_offsets=kv_off, activation=act, backend="triton"),
+                (pq, k, v), pma_flops, args.iters))
+    meta = dict(workload=args.workload, device=torch.cuda.get_device_name(), torch=torch.__version__,
+                tokens_q=int(q_off[-1]), tokens_kv=int(kv_off[-1]), batch=int(q_lens.numel()),
+                padding_ratio=round(q_lens.numel() * q_max / int(q_off[-1]), 2), H=H, D=D,
+                dtype="bf16", causal=causal, useful_fwd_tflop=flops / 1e12)
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if args.json:
+        print(json.dumps(dict(meta, rows=[asdict(r) for r in rows])))
+        return 0
+    print(" ".join(f"{k}={v}" for k, v in meta.items()))
+    print(f"{'implementation':44s} {'fwd ms':>8s} {'f+b ms':>8s} {'fwd TF/s':>9s} {'f+b TF/s':>9s} {'peak GB':>8s}")
+    for r in rows:
+        def fmt(x, w, p=2):
+            return f"{x:{w}.{p}f}" if x is not None else f"{'-':>{w}s}"
+        print(f"{r.name:44s} {fmt(r.fwd_ms, 8)} {fmt(r.fwdbwd_ms, 8)} {fmt(r.fwd_tflops, 9, 1)} "
+              f"{fmt(r.fwdbwd_tflops, 9, 1)} {fmt(r.peak_gb, 8)} {r.note}")
+    return 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(_parser)
+    raise SystemExit(run(_parser.parse_args()))

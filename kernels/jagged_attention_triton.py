@@ -1,0 +1,250 @@
+"""Jagged attention on Triton: launchers, the torch custom ops and their autograd.
+
+The kernels live in ``jagged_attention_triton_fwd`` / ``_bwd`` (shared pieces in ``_common``).
+The forward and the backward are registered as torch.library custom ops (``gemcore::jagged_attention_fwd`` /
+``gemcore::jagged_attention_bwd``) with fake implementations, so a model calling them compiles
+under torch.compile without graph breaks. Data-dependent checks (offsets' values, num_targets,
+max_seqlen) run inside the forward op, so they are not traced.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+
+from gemcore.kernels.jagged_attention_checks import check_values
+from gemcore.kernels.jagged_attention_triton_bwd import _jagged_attn_bwd_dkdv, _jagged_attn_bwd_dq
+from gemcore.kernels.jagged_attention_triton_common import ACTIVATION_CODES
+from gemcore.kernels.jagged_attention_triton_fwd import _jagged_attn_fwd
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile shape and launch parameters of one kernel."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+#: (kernel, head-dim bucket) -> TileConfig; D=128 rows picked by `gem bench attention --tune` on an
+#: H200 in bf16 (docs/kernels.md); the others are untuned guesses.
+CONFIGS: dict[tuple[str, int], TileConfig] = {
+    ("fwd", 64): TileConfig(128, 64, 4, 3),
+    ("fwd", 128): TileConfig(128, 32, 4, 4),
+    ("fwd", 256): TileConfig(64, 32, 4, 2),
+    ("dkdv", 64): TileConfig(64, 128, 8, 3),
+    ("dkdv", 128): TileConfig(64, 128, 8, 2),
+    ("dkdv", 256): TileConfig(32, 64, 4, 2),
+    ("dq", 64): TileConfig(128, 64, 8, 3),
+    ("dq", 128): TileConfig(128, 64, 8, 3),
+    ("dq", 256): TileConfig(64, 32, 4, 2),
+}
+
+_pinned: dict[str, TileConfig] = {}
+
+
+@contextlib.contextmanager
+def pinned_configs(**configs: TileConfig):
+    """Force tile configs (``fwd=``, ``dkdv=``, ``dq=``) inside the block: tests and tuning."""
+    old = dict(_pinned)
+    _pinned.update(configs)
+    try:
+        yield
+    finally:
+        _pinned.clear()
+        _pinned.update(old)
+
+
+def _config(kernel: str, head_dim: int, dtype: torch.dtype) -> TileConfig:
+    if kernel in _pinned:
+        return _pinned[kernel]
+    bucket = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+    cfg = CONFIGS[(kernel, bucket)]
+    if dtype == torch.float32:  # fp32 tiles take twice the shared memory
+        cfg = TileConfig(max(16, cfg.block_m // 2), max(16, cfg.block_n // 2), cfg.num_warps,
+                         min(cfg.num_stages, 2))
+    return cfg
+
+
+def _block_d(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def _common(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, norm,
+            window_left, window_right, max_seqlen):
+    """Launch arguments shared by the three kernels."""
+    pooled = offsets is None
+    kv_off = (offsets if kv_offsets is None else kv_offsets).to(torch.int64)
+    q_off = kv_off if pooled else offsets.to(torch.int64)
+    B = kv_off.numel() - 1
+    H = q.shape[1]
+    nq_pooled = q.shape[0] if pooled else 0
+    if activation == "softmax":
+        inv_norm = 1.0
+    else:
+        inv_norm = 1.0 / (norm if norm > 0 else max(max_seqlen, 1))
+    nt = num_targets.to(torch.int64) if num_targets is not None else kv_off
+    flags = dict(
+        D_QK=q.shape[2], D_V=v.shape[2], BLOCK_DQK=_block_d(q.shape[2]), BLOCK_DV=_block_d(v.shape[2]),
+        ACTIVATION=ACTIVATION_CODES[activation], CAUSAL=bool(causal),
+        HAS_TARGETS=num_targets is not None, HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0,
+        POOLED=pooled, INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    max_q = nq_pooled if pooled else max_seqlen
+    return q_off, kv_off, nt, B, H, nq_pooled, inv_norm, flags, max_q
+
+
+def _fwd(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, norm,
+         window_left, window_right, max_seqlen):
+    q_off, kv_off, nt, B, H, nq_pooled, inv_norm, flags, max_q = _common(
+        q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, norm, window_left,
+        window_right, max_seqlen)
+    rows = B * nq_pooled if offsets is None else q.shape[0]
+    out = q.new_empty(rows, H, v.shape[2])
+    lse2 = torch.empty(rows if activation == "softmax" else 0, H, device=q.device,
+                       dtype=torch.float32)
+    cfg = _config("fwd", max(q.shape[2], v.shape[2]), q.dtype)
+    n_m_tiles = triton.cdiv(max_q, cfg.block_m)
+    if B * H > 0 and n_m_tiles > 0:
+        _jagged_attn_fwd[(B * H, n_m_tiles)](
+            q, k, v, out, lse2, q_off, kv_off, nt,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1),
+            H, nq_pooled, n_m_tiles, scale, inv_norm, window_left, window_right,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **flags)
+    return out, lse2
+
+
+def _bwd(do, q, k, v, out, lse2, offsets, kv_offsets, num_targets, activation, causal, scale,
+         norm, window_left, window_right, max_seqlen):
+    q_off, kv_off, nt, B, H, nq_pooled, inv_norm, flags, max_q = _common(
+        q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, norm, window_left,
+        window_right, max_seqlen)
+    do = do.reshape(-1, H, v.shape[2])
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    if activation == "softmax":
+        delta = (out.reshape(do.shape).float() * do.float()).sum(-1).contiguous()
+    else:
+        delta = lse2
+    dq_rows = torch.empty(do.shape[0], H, q.shape[2], device=q.device,
+                          dtype=torch.float32 if offsets is None else q.dtype)
+    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
+    dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    cfg = _config("dkdv", max(q.shape[2], v.shape[2]), q.dtype)
+    n_n_tiles = triton.cdiv(max_seqlen, cfg.block_n)
+    if B * H > 0 and n_n_tiles > 0:
+        _jagged_attn_bwd_dkdv[(B * H, n_n_tiles)](
+            q, k, v, do, lse2, delta, dk, dv, q_off, kv_off, nt,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+            H, nq_pooled, n_n_tiles, scale, inv_norm, window_left, window_right,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **flags)
+    cfg = _config("dq", max(q.shape[2], v.shape[2]), q.dtype)
+    n_m_tiles = triton.cdiv(max_q, cfg.block_m)
+    if B * H > 0 and n_m_tiles > 0:
+        _jagged_attn_bwd_dq[(B * H, n_m_tiles)](
+            q, k, v, do, lse2, delta, dq_rows, q_off, kv_off, nt,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            do.stride(0), do.stride(1), dq_rows.stride(0), dq_rows.stride(1),
+            H, nq_pooled, n_m_tiles, scale, inv_norm, window_left, window_right,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **flags)
+    if offsets is None:  # pooled: every sequence's queries are the same rows of q
+        dq = dq_rows.view(B, q.shape[0], H, q.shape[2]).sum(0).to(q.dtype)
+    else:
+        dq = dq_rows
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------- custom ops
+@torch.library.custom_op("gemcore::jagged_attention_fwd", mutates_args=())
+def jagged_attention_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: Optional[torch.Tensor],
+    kv_offsets: Optional[torch.Tensor], num_targets: Optional[torch.Tensor], activation: str,
+    causal: bool, scale: float, norm: float, window_left: int, window_right: int,
+    max_seqlen: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (out, lse2, max_seqlen as a 0-d int64 tensor, resolved from the offsets if < 0)."""
+    max_seqlen = check_values(q, k, offsets, kv_offsets, num_targets, max_seqlen)
+    out, lse2 = _fwd(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, norm,
+                     window_left, window_right, max_seqlen)
+    return out, lse2, torch.tensor(max_seqlen, dtype=torch.int64)
+
+
+@jagged_attention_fwd_op.register_fake
+def _(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, norm, window_left,
+      window_right, max_seqlen):
+    H, dv = q.shape[1], v.shape[2]
+    if offsets is None:
+        rows = (kv_offsets.shape[0] - 1) * q.shape[0]
+    else:
+        rows = q.shape[0]
+    out = q.new_empty(rows, H, dv)
+    lse2 = q.new_empty(rows if activation == "softmax" else 0, H, dtype=torch.float32)
+    return out, lse2, torch.empty((), dtype=torch.int64)
+
+
+@torch.library.custom_op("gemcore::jagged_attention_bwd", mutates_args=())
+def jagged_attention_bwd_op(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse2: torch.Tensor, offsets: Optional[torch.Tensor], kv_offsets: Optional[torch.Tensor],
+    num_targets: Optional[torch.Tensor], activation: str, causal: bool, scale: float,
+    norm: float, window_left: int, window_right: int, max_seqlen: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dq, dk, dv); ``max_seqlen`` is the forward's resolved 0-d int64 tensor."""
+    return _bwd(do, q, k, v, out, lse2, offsets, kv_offsets, num_targets, activation, causal,
+                scale, norm, window_left, window_right, int(max_seqlen))
+
+
+@jagged_attention_bwd_op.register_fake
+def _(do, q, k, v, out, lse2, offsets, kv_offsets, num_targets, activation, causal, scale, norm,
+      window_left, window_right, max_seqlen):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, norm, window_left,
+     window_right, _max_seqlen) = inputs
+    out, lse2, max_seqlen = output
+    ctx.save_for_backward(q, k, v, out, lse2, offsets, kv_offsets, num_targets, max_seqlen)
+    ctx.static = (activation, causal, scale, norm, window_left, window_right)
+
+
+def _backward(ctx, dout, _dlse2, _dmax):
+    q, k, v, out, lse2, offsets, kv_offsets, num_targets, max_seqlen = ctx.saved_tensors
+    activation, causal, scale, norm, window_left, window_right = ctx.static
+    dq, dk, dv = jagged_attention_bwd_op(
+        dout, q, k, v, out, lse2, offsets, kv_offsets, num_targets, activation, causal, scale,
+        norm, window_left, window_right, max_seqlen)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("gemcore::jagged_attention_fwd", _backward,
+                                setup_context=_setup_context)
+
+
+def jagged_attention_triton(q, k, v, offsets, *, kv_offsets=None, activation="softmax",
+                            causal=False, scale=None, norm=None, num_targets=None, window=None,
+                            max_seqlen=None):
+    """Triton backend of :func:`gemcore.kernels.jagged_attention` (static checks already done)."""
+    from gemcore.kernels.jagged_attention_reference import window_bounds
+
+    left, right = window_bounds(window)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    out, _, _ = jagged_attention_fwd_op(
+        q, k, v, offsets, kv_offsets, num_targets, activation, bool(causal), scale,
+        float(norm) if norm is not None else 0.0, left, right,
+        -1 if max_seqlen is None else int(max_seqlen))
+    if offsets is None:
+        return out.view(kv_offsets.shape[0] - 1, q.shape[0], q.shape[1], v.shape[2])
+    return out

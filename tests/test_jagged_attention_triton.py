@@ -1,0 +1,167 @@
+"""Triton jagged attention against the reference: output and every gradient.
+
+On CPU this module only runs under TRITON_INTERPRET=1 (test_jagged_attention.py starts it in a
+subprocess with that set): float32 inputs (Triton 3.9's interpreter gets tl.dot on bfloat16 wrong),
+16x16 tiles pinned so every path crosses tile borders. On a CUDA GPU it runs at real sizes in
+bfloat16 and float32 with the default tiles of ``CONFIGS``.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(not (CUDA or INTERPRET),
+                                reason="needs a CUDA GPU or TRITON_INTERPRET=1 (run by test_jagged_attention.py)")
+triton = pytest.importorskip("triton")
+
+from gemcore.kernels import jagged_attention  # noqa: E402
+from gemcore.kernels.jagged_attention_triton import (  # noqa: E402
+    TileConfig, jagged_attention_bwd_op, jagged_attention_fwd_op, pinned_configs)
+
+DEVICE = "cuda" if CUDA else "cpu"
+SMALL = TileConfig(16, 16, 1, 1)
+
+
+def _offsets(lengths):
+    lengths = torch.tensor(lengths, dtype=torch.int64)
+    return torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(DEVICE)
+
+
+def _rel_err(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def check_parity(lengths, *, kv_lengths=None, pma=0, activation="softmax", causal=False,
+                 targets=None, window=None, H=2, D=16, Dv=16, dtype=torch.float32, seed=0, tol=None):
+    """Output and dq, dk, dv of backend="triton" against the reference on the same inputs."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    offsets = _offsets(lengths)
+    kv_offsets = _offsets(kv_lengths) if kv_lengths is not None else None
+    tq = pma if pma else int(offsets[-1])
+    tk = int((kv_offsets if kv_offsets is not None else offsets)[-1])
+    q, k = (torch.randn(t, H, D, generator=g, device=DEVICE).to(dtype).requires_grad_() for t in (tq, tk))
+    v = torch.randn(tk, H, Dv, generator=g, device=DEVICE).to(dtype).requires_grad_()
+    kw = dict(kv_offsets=kv_offsets, activation=activation, causal=causal, window=window,
+              num_targets=None if targets is None else torch.tensor(targets, device=DEVICE))
+    off = None if pma else offsets
+    got = jagged_attention(q, k, v, off, backend="triton", **kw)
+    want = jagged_attention(q, k, v, off, backend="reference", **kw)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if tol is None:
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert _rel_err(got, want) <= tol, ("out", _rel_err(got, want))
+    if got.numel() == 0:
+        return
+    grad = torch.randn(got.shape, generator=g, device=DEVICE).to(dtype)
+    g_got = torch.autograd.grad(got, (q, k, v), grad, allow_unused=True)
+    g_want = torch.autograd.grad(want, (q, k, v), grad, allow_unused=True)
+    for name, a, b in zip("qkv", g_got, g_want):
+        b = torch.zeros_like(a) if b is None else b
+        if b.abs().max() == 0:  # e.g. dq of a lone key: zero exactly, here up to rounding
+            assert float(a.abs().max()) <= tol, name
+        else:
+            assert _rel_err(a, b) <= tol, ("d" + name, _rel_err(a, b))
+
+
+@pytest.fixture(autouse=True)
+def _small_tiles():
+    if INTERPRET:
+        with pinned_configs(fwd=SMALL, dkdv=SMALL, dq=SMALL):
+            yield
+    else:
+        yield
+
+
+ACTS = ["softmax", "silu", "gelu", "gelu_tanh", "relu", "relu2", "identity"]
+LENGTHS = [0, 1, 19, 33] if INTERPRET else [0, 1, 17, 40, 5, 32, 300, 129]
+TARGETS = [0, 1, 3, 33] if INTERPRET else [0, 1, 3, 40, 2, 16, 7, 129]
+
+
+@pytest.mark.parametrize("activation", ACTS)
+def test_self_attention_causal(activation):
+    check_parity(LENGTHS, activation=activation, causal=True)
+
+
+# the interpreter is slow: in it, full attention for the activations with distinct code paths
+@pytest.mark.parametrize("activation", ["softmax", "gelu", "relu2"] if INTERPRET else ACTS)
+def test_self_attention_full(activation):
+    check_parity(LENGTHS, activation=activation, causal=False)
+
+
+@pytest.mark.parametrize("activation, window", [("softmax", (7, 0)), ("silu", (3, 20)),
+                                                ("softmax", (None, 5))])
+def test_num_targets_and_window(activation, window):
+    check_parity(LENGTHS, activation=activation, causal=True, targets=TARGETS)
+    check_parity(LENGTHS, activation=activation, causal=window[1] == 0, window=window)
+
+
+@pytest.mark.parametrize("activation", ["softmax", "gelu_tanh"])
+def test_cross_and_pooled(activation):
+    check_parity([3, 0, 20, 33], kv_lengths=[5, 4, 0, 17], activation=activation)
+    check_parity([3, 0, 20, 33], kv_lengths=[5, 4, 0, 17], activation=activation, window=(2, 3))
+    check_parity([1], kv_lengths=[5, 0, 33], pma=5, activation=activation)
+
+
+def test_head_dims_not_powers_of_two():
+    check_parity([9, 21], causal=True, D=24, Dv=8)
+    check_parity([9, 21], activation="silu", causal=True, D=24, Dv=8)
+
+
+@settings(max_examples=2 if INTERPRET else 30, deadline=None)
+@given(lengths=st.lists(st.integers(0, 40 if INTERPRET else 700), min_size=1, max_size=3 if INTERPRET else 8),
+       activation=st.sampled_from(["softmax", "silu", "relu2"]), seed=st.integers(0, 1000))
+def test_random_lengths(lengths, activation, seed):
+    check_parity(lengths, activation=activation, causal=True, seed=seed,
+                 targets=[(seed * (b + 1)) % (n + 1) for b, n in enumerate(lengths)])
+
+
+def test_fake_implementation_matches_real():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    offsets = _offsets([3, 0, 18])
+    q, k, v = (torch.randn(21, 2, 16, device=DEVICE) for _ in range(3))
+    args = (offsets, None, None, "softmax", True, 0.25, 0.0, -1, -1, -1)
+    real = jagged_attention_fwd_op(q, k, v, *args)
+    real_grads = jagged_attention_bwd_op(real[0], q, k, v, real[0], real[1], offsets, None, None,
+                                         "softmax", True, 0.25, 0.0, -1, -1, real[2])
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fq, fk, fv, foff = (mode.from_tensor(t) for t in (q, k, v, offsets))
+        fake = jagged_attention_fwd_op(fq, fk, fv, foff, *args[1:])
+        fake_grads = jagged_attention_bwd_op(fake[0], fq, fk, fv, fake[0], fake[1], foff, None, None,
+                                             "softmax", True, 0.25, 0.0, -1, -1, fake[2])
+    for r, f in zip(real + real_grads, fake + fake_grads):
+        assert r.shape == f.shape and r.dtype == f.dtype
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (bf16 and real sizes)")
+@pytest.mark.parametrize("activation", ["softmax", "silu", "gelu_tanh"])
+def test_bf16_real_sizes(activation):
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 1500, (12,), generator=g).tolist() + [0, 1, 2048]
+    check_parity(lengths, activation=activation, causal=True, H=4, D=128, Dv=128,
+                 dtype=torch.bfloat16, targets=[n // 10 for n in lengths])
+    check_parity(lengths, activation=activation, causal=True, H=4, D=64, Dv=64, dtype=torch.float32)
+    check_parity(lengths, kv_lengths=[256] * len(lengths), activation=activation, H=4, D=128,
+                 Dv=128, dtype=torch.bfloat16)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_torch_compile_without_graph_breaks():
+    offsets = _offsets([30, 0, 70])
+    q, k, v = (torch.randn(100, 2, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+
+    def f(q, k, v):
+        return jagged_attention(q * 2, k, v, offsets, causal=True, max_seqlen=70).square().sum()
+
+    compiled = torch.compile(f, fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), f(q, k, v), rtol=2e-2, atol=1e-1)
+    compiled(q, k, v).backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
