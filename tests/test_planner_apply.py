@@ -1,5 +1,5 @@
-"""Applying plans on torch.distributed (gloo, CPU ranks under torchrun): losses of FSDP2, HSDP and
-FSDP2 x TP runs of GemModel match a single-process run step for step."""
+"""Applying plans on torch.distributed (gloo, CPU ranks under torchrun): losses of FSDP2, HSDP,
+FSDP2 x TP and FSDP2 x EP runs of GemModel match a single-process run step for step."""
 import json
 import os
 import socket
@@ -29,30 +29,35 @@ def _torchrun(nproc: int, degrees: str, *extra: str) -> list[float]:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1]
-    return json.loads(line)["losses"]
+    out = json.loads(line)
+    return out["losses"] + out["grad_norms"]
 
 
 def _reference(capsys, *extra: str) -> list[float]:
     assert smoke_main(["--steps", str(STEPS), "--same-batch", *extra]) == 0
-    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["losses"]
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    return out["losses"] + out["grad_norms"]
 
 
 @pytest.mark.parametrize("nproc, degrees, extra", [
     (2, "dp_shard=2,ac=full", ()),
     (4, "dp_shard=2,tp=2", ()),
     (4, "dp_replicate=2,dp_shard=2", ("--experts", "4")),
+    (2, "dp_shard=2,ep=2", ("--experts", "4")),
 ])
 def test_plan_losses_match_single_process(capsys, nproc, degrees, extra):
     expected = _reference(capsys, *extra)
-    assert expected[-1] < expected[0] - 0.01  # the run really trains (same batch every step)
+    assert expected[STEPS - 1] < expected[0] - 0.01  # the run really trains (same batch every step)
     got = _torchrun(nproc, degrees, *extra)
     assert got == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
 def test_unapplied_dimensions_are_named():
     assert check_supported(Plan(dp_shard=2, tp=2)) == []
-    missing = " ".join(check_supported(Plan(cp=2, pp=2, ep=2, dp_shard=2)))
-    assert "cp=2" in missing and "pp=2" in missing and "ep=2" in missing
+    assert check_supported(Plan(dp_shard=2, ep=2)) == []
+    missing = " ".join(check_supported(Plan(cp=2, pp=2, dp_shard=2)))
+    assert "cp=2" in missing and "pp=2" in missing
+    assert "ep=2" in " ".join(check_supported(Plan(dp_shard=4, ep=2)))       # experts FSDP over 2
 
 
 def test_plugin_registers_its_names():

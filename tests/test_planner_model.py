@@ -111,12 +111,29 @@ def test_single_gpu_time_matches_hand_count():
                   gemm_efficiency=0.5, attention_efficiency=0.25, memory_efficiency=1.0)
     est = estimate(TINY, Cluster(gpu, 1, 1), Plan(), seq_len=4, global_batch=1)
     t_gemm = 6 * 1392 * 4 / (1e12 * 0.5 * (4 / 68))              # thinnest GEMM side: 4 tokens
-    t_attn = 3 * 2 * 8 * 2 * 16 / (1e12 * 0.25)
+    t_attn = 3.5 * 2 * 8 * 2 * 16 / (1e12 * 0.25)                 # flash backward recomputes QKᵀ
     ew = 10 * 8 + 2 * (2 + 2) * 4 + 3 * 16                         # norms, adds, RoPE, SiLU*mul
-    t_ew = 2 * 3 * ew * 2 * 4 / 1e9
+    t_ew = (2 * 3 * ew * 2 * 4 + 6 * 4 * 10) / 1e9                  # + cross-entropy on 4 x 10 logits
     t_opt = 32 * 1472 / 1e9
     assert est.compute_s == pytest.approx(t_gemm + t_attn + t_ew + t_opt, rel=1e-12)
     assert est.step_time_s == pytest.approx(est.compute_s) and not est.comm_exposed_s
+
+
+def test_eager_kernels_and_power_cap_match_hand_count():
+    gpu = GpuKind("unit", hbm_gb=1, peak_bf16_tflops=1, hbm_gbps=1, intra_node_gbps=1, inter_node_gbps=1,
+                  gemm_efficiency=0.5, attention_efficiency=0.25, memory_efficiency=1.0,
+                  tdp_w=800, power_limit_w=100)
+    assert gpu.clock_factor == pytest.approx(0.5)                  # (100 / 800)^(1/3)
+    est = estimate(TINY, Cluster(gpu, 1, 1, kernels="eager"), Plan(), seq_len=4, global_batch=1)
+    t_gemm = 6 * 1392 * 4 / (0.5e12 * 0.5 * (4 / 68))
+    t_attn = 3.5 * 2 * 8 * 2 * 16 / (0.5e12 * 0.25)
+    # per token and layer: 2 fp32-upcast norms 36 B/elem, 2 adds, RoPE 20 B/elem on q and k,
+    # SiLU·mul 10 B per ffn element, the attention output's transpose (no GQA expansion: K = H)
+    ew = 2 * 36 * 8 + 2 * 6 * 8 + 20 * (2 + 2) * 4 + 10 * 16 + 2 * 2 * 2 * 4
+    t_ew = (3 * ew * 2 * 4 + 40 * 4 * 10) / 1e9
+    t_opt = 96 * 1472 / 1e9                                        # foreach AdamW
+    assert est.compute_s == pytest.approx(t_gemm + t_attn + t_ew + t_opt, rel=1e-12)
+    assert est.mfu == pytest.approx(est.model_flops_per_step / (est.step_time_s * 1e12))  # datasheet peak
 
 
 def test_collective_uses_the_tier_bandwidth():
@@ -182,3 +199,22 @@ def test_tp_prefers_the_node():
     assert "tp" in fast.intra_node and "tp" in slow.inter_node
     assert slow.comm_exposed_s["tp"] > 2 * fast.comm_exposed_s["tp"]  # 4 NICs x 40 vs NVLink 360 GB/s
     assert math.isclose(fast.compute_s, slow.compute_s)
+
+
+def test_cluster_file_sets_power_limit_and_kernels():
+    from pathlib import Path
+
+    from gemcore.planner.cluster import load_cluster
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "planner" / "grand-teton-h100-500w.toml"
+    cluster = load_cluster(path, gpus=8)
+    assert cluster.gpu.power_limit_w == 500 and cluster.kernels == "fused"
+    assert cluster.sustained_peak_flops == pytest.approx(989e12 * (500 / 700) ** (1 / 3))
+    assert load_cluster(path, gpus=8, kernels="eager").kernels == "eager"
+    with pytest.raises(ValueError, match="--kernels"):
+        make_cluster("h100", 8, kernels="jit")
+    model = PRESETS["llama3-8b"]
+    fused = estimate(model, cluster, Plan(dp_shard=8, ac="selective"), global_batch=8)
+    eager = estimate(model, dataclasses.replace(cluster, kernels="eager"), Plan(dp_shard=8, ac="selective"),
+                     global_batch=8)
+    assert eager.step_time_s > fused.step_time_s and eager.model_flops_per_step == fused.model_flops_per_step

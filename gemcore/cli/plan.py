@@ -2,7 +2,7 @@
 
     gem plan --model PRESET|FILE.toml --gpus N --gpus-per-node G --gpu h100|h200|b200|a100
              [--seq-len S] [--global-batch SEQUENCES] [--top K] [--json]
-             [--degrees dp_shard=32,tp=8,...] [--cluster FILE.toml] [--calibrate]
+             [--degrees dp_shard=32,tp=8,...] [--cluster FILE.toml] [--kernels fused|eager] [--calibrate]
 
 Exit codes: 0 a plan was found (or the given layout is feasible); 2 bad input or nothing fits
 (the explanation names every broken rule).
@@ -14,7 +14,7 @@ import json
 import sys
 
 from gemcore.planner import cost as cost_model
-from gemcore.planner.cluster import GPUS, Cluster, load_cluster, make_cluster
+from gemcore.planner.cluster import GPUS, KERNEL_STACKS, Cluster, load_cluster, make_cluster
 from gemcore.planner.models import PRESETS, describe, load_model
 from gemcore.planner.plan import Plan, PlanError
 from gemcore.planner.search import search
@@ -27,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus-per-node", type=int, metavar="G", help="GPUs per node (default: 8)")
     p.add_argument("--gpu", choices=sorted(GPUS), help="GPU kind (default h100, or the cluster file's)")
     p.add_argument("--cluster", metavar="FILE.toml", help="cluster file: GPU overrides, network tiers")
+    p.add_argument("--kernels", choices=KERNEL_STACKS,
+                   help="how non-matmul work runs: fused (torch.compile / fused kernels, the default) or "
+                        "eager (one PyTorch kernel per op); the cost model counts their memory traffic")
     p.add_argument("--seq-len", type=int, metavar="S", help="sequence length (GEM: longest history)")
     p.add_argument("--global-batch", type=int, metavar="SEQUENCES",
                    help="sequences (users) per optimizer step (default: the preset's per-GPU batch x GPUs)")
@@ -42,10 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_cluster(args: argparse.Namespace) -> Cluster:
     if args.cluster:
-        return load_cluster(args.cluster, gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu=args.gpu)
+        return load_cluster(args.cluster, gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu=args.gpu,
+                            kernels=getattr(args, "kernels", None))
     if args.gpus is None:
         raise ValueError("--gpus is required (or a --cluster file that gives gpus)")
-    return make_cluster(args.gpu or "h100", args.gpus, args.gpus_per_node)
+    return make_cluster(args.gpu or "h100", args.gpus, args.gpus_per_node,
+                        kernels=getattr(args, "kernels", None) or "fused")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,6 +1,7 @@
 """Apply a :class:`Plan` to a GemModel with torch.distributed: DeviceMesh, DTensor TP, FSDP2.
 
-Order (each step logs what it did): ``build_mesh`` -> ``apply_tp`` -> ``apply_ac`` -> ``apply_fsdp``.
+Order (each step logs what it did): ``build_mesh`` -> ``apply_tp`` -> ``apply_ep`` ->
+``apply_ac`` -> ``apply_fsdp``.
 TP goes first so FSDP2 shards the TP-sharded DTensors along the data-parallel mesh (2-D), as
 TorchTitan does. Every step takes explicit arguments, not the config; the model file stays free
 of parallelism code.
@@ -8,8 +9,10 @@ of parallelism code.
 What is applied today: dp_shard (FSDP2 ``fully_shard``), dp_replicate x dp_shard (HSDP: a 2-D mesh
 given to ``fully_shard``), tp (``parallelize_module`` with Colwise/RowwiseParallel on each MLP and
 expert: gate_up column-wise, down row-wise; attention projections too when the block exposes
-``head_dim``, otherwise attention stays replicated), ac (``checkpoint_wrapper`` per block).
-cp, pp and ep > 1 are planned and costed but not applied: :func:`check_supported` says so.
+``head_dim``, otherwise attention stays replicated), ep = dp_shard (expert_parallel.py: experts
+spread over dp_shard, tokens moved by all-to-all), ac (``checkpoint_wrapper`` per block).
+cp and pp > 1, and ep beside expert FSDP/replicas or TP, are planned and costed but not applied:
+:func:`check_supported` says so.
 """
 from __future__ import annotations
 
@@ -26,9 +29,13 @@ log = logging.getLogger("gemcore.planner.apply")
 def check_supported(plan: Plan) -> list[str]:
     """What in ``plan`` this module cannot apply yet (empty: all of it)."""
     missing = []
-    for axis in (MeshAxis.CP, MeshAxis.PP, MeshAxis.EP):
+    for axis in (MeshAxis.CP, MeshAxis.PP):
         if plan.degree(axis) > 1:
             missing.append(f"{axis.value}={plan.degree(axis)} (planned and costed, not applied yet)")
+    if plan.ep > 1 and (plan.ep != plan.dp_shard or plan.tp > 1 or plan.dp_replicate > 1):
+        missing.append(f"ep={plan.ep} with dp_shard={plan.dp_shard}, tp={plan.tp}, "
+                       f"dp_replicate={plan.dp_replicate} (expert parallelism is applied only with "
+                       "ep = dp_shard, tp = 1, dp_replicate = 1: no expert FSDP/replicas or expert TP yet)")
     return missing
 
 
@@ -105,15 +112,18 @@ def apply_ac(model: nn.Module, mode: str) -> nn.Module:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh, *, reshard_after_forward: bool = True,
-               param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None) -> nn.Module:
+               param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+               ignored_params: set | None = None) -> nn.Module:
     """FSDP2 over ``dp_mesh``: 1-D (dp_shard) shards; 2-D (dp_replicate, dp_shard) is HSDP.
-    Each block is its own unit (gathered just in time), then the root holds embeddings and head."""
+    Each block is its own unit (gathered just in time), then the root holds embeddings and head.
+    ``ignored_params`` (expert-parallel experts) stay local, outside FSDP."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    extra = {"ignored_params": ignored_params} if ignored_params else {}
     for block in model.blocks:
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, **extra)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, **extra)
     log.info("fsdp over %s (%s)", dp_mesh.mesh_dim_names, "HSDP" if dp_mesh.ndim == 2 else "sharded")
     return model
 
@@ -125,18 +135,32 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
 
     Each gradient's 2-norm is reduced over its own mesh (``full_tensor`` of the DTensor norm), the
     total is the 2-norm of those, and every gradient is scaled by min(1, max_norm / total).
-    One small collective per DTensor gradient: fine for gemcore's block counts.
+    One small collective per DTensor gradient: fine for gemcore's block counts. Expert-parallel
+    parameters (``EP_GROUP_ATTR``) hold different experts on each rank: their squared norms are
+    summed over their group.
     """
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
+    from gemcore.planner.expert_parallel import EP_GROUP_ATTR
+
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
         return torch.zeros(())
-    norms = []
-    for g in grads:
-        n = torch.linalg.vector_norm(g)
-        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    norms, spread = [], {}
+    for p in params:
+        n = torch.linalg.vector_norm(p.grad)
+        group = getattr(p, EP_GROUP_ATTR, None)
+        if group is not None:
+            spread.setdefault(group, []).append(n.float() ** 2)
+        else:
+            norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    for group, squares in spread.items():
+        total_sq = torch.stack(squares).sum()
+        dist.all_reduce(total_sq, group=group)
+        norms.append(total_sq.sqrt())
     total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    grads = [p.grad for p in params]
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(scale.to(g.dtype))
@@ -151,11 +175,19 @@ def apply_plan(model: nn.Module, plan: Plan, device: torch.device, mesh=None) ->
     mesh = mesh if mesh is not None else build_mesh(plan, device.type)
     model = model.to(device)
     model = apply_tp(model, mesh[MeshAxis.TP.value])
+    ignored = None
+    if plan.ep > 1:
+        from gemcore.planner.expert_parallel import apply_ep, expert_parameters
+
+        model = apply_ep(model, mesh[MeshAxis.DP_SHARD.value].get_group(), plan.dp_replicate * plan.dp_shard)
+        ignored = expert_parameters(model)
+        log.info("ep=%d over dp_shard: %d expert parameters kept out of FSDP", plan.ep, len(ignored))
     model = apply_ac(model, plan.ac)
     if plan.dp_replicate * plan.dp_shard > 1:
         dims = ((MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value) if plan.dp_replicate > 1
                 else (MeshAxis.DP_SHARD.value,))
-        model = apply_fsdp(model, mesh[dims], reshard_after_forward=plan.reshard_after_forward)
+        model = apply_fsdp(model, mesh[dims], reshard_after_forward=plan.reshard_after_forward,
+                           ignored_params=ignored)
     return model
 
 

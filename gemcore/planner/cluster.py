@@ -10,6 +10,8 @@ network tiers above the node::
     gpus = 16384
     gpus_per_node = 8
     inter_node_gbps = 50          # one 400 Gb/s NIC per GPU
+    power_limit_w = 500           # GPUs capped below their TDP (optional)
+    kernels = "eager"             # unfused PyTorch (optional; default "fused")
     [[cluster.tiers]]             # a group inside one pod gets the full NIC rate
     name = "pod"
     gpus = 3072
@@ -44,21 +46,39 @@ class GpuKind:
     attention_efficiency: float = 0.39  #: causal flash attention fwd+bwd / peak (ANCHORS.md: 381 of 989)
     memory_efficiency: float = 0.8      #: elementwise kernels' share of HBM bandwidth
     link_efficiency: float = 0.8        #: collective bus bandwidth / link rate
+    tdp_w: float = 0.0                  #: board power the peak is quoted at, W (0: unknown)
+    power_limit_w: float = 0.0          #: power cap the GPUs run under, W (0: the TDP)
+    power_clock_exponent: float = 1 / 3  #: f ∝ (P_limit / P_tdp)^this: 1/3 (P ∝ f³) .. 1 (voltage floor)
+
+    @property
+    def clock_factor(self) -> float:
+        """Share of the datasheet tensor-core clock sustained under ``power_limit_w``.
+
+        Dynamic power goes as f·V² and, in the DVFS range, V rises with f, so P ∝ f³ and
+        f ∝ (P_limit / P_tdp)^(1/3) (the default ``power_clock_exponent``). That is an upper bound on
+        the clock: static power and the voltage floor make a capped GPU lose more, down to P ∝ f
+        (exponent 1) once the voltage cannot drop further. Memory-bound kernels are not scaled
+        (HBM keeps its clock).
+        """
+        if not self.power_limit_w or not self.tdp_w or self.power_limit_w >= self.tdp_w:
+            return 1.0
+        return (self.power_limit_w / self.tdp_w) ** self.power_clock_exponent
 
 
 GPUS: dict[str, GpuKind] = {
     # NVIDIA datasheets: H100 SXM5 80 GB HBM3 3.35 TB/s, NVLink 4 900 GB/s (450 per direction);
     # H200 141 GB 4.8 TB/s; B200 180 GB (DGX B200) 8 TB/s, NVLink 5 1.8 TB/s, 2.25 PFLOP/s bf16;
     # A100 SXM 80 GB 2.04 TB/s, NVLink 3 600 GB/s, 312 TFLOP/s. One 400 Gb/s NIC per GPU
-    # (200 Gb/s on A100 systems).
+    # (200 Gb/s on A100 systems). Max board power (TDP): H100/H200 SXM 700 W, B200 1000 W,
+    # A100 SXM 400 W.
     "h100": GpuKind("h100", hbm_gb=80, peak_bf16_tflops=989, hbm_gbps=3350, intra_node_gbps=450,
-                    inter_node_gbps=50),
+                    inter_node_gbps=50, tdp_w=700),
     "h200": GpuKind("h200", hbm_gb=141, peak_bf16_tflops=989, hbm_gbps=4800, intra_node_gbps=450,
-                    inter_node_gbps=50),
+                    inter_node_gbps=50, tdp_w=700),
     "b200": GpuKind("b200", hbm_gb=180, peak_bf16_tflops=2250, hbm_gbps=8000, intra_node_gbps=900,
-                    inter_node_gbps=50),
+                    inter_node_gbps=50, tdp_w=1000),
     "a100": GpuKind("a100", hbm_gb=80, peak_bf16_tflops=312, hbm_gbps=2039, intra_node_gbps=300,
-                    inter_node_gbps=25),
+                    inter_node_gbps=25, tdp_w=400),
 }
 
 #: per-collective launch + synchronisation latency, seconds
@@ -75,12 +95,19 @@ class Tier:
     oversubscription: float = 1.0
 
 
+#: how the step's non-matmul work runs: ``fused`` kernels (torch.compile, fused norms/RoPE/SwiGLU,
+#: fused cross-entropy and optimizer) or ``eager`` PyTorch (one kernel per op, fp32 norm upcasts,
+#: foreach AdamW); the cost model counts each one's memory traffic (docs/planner.md)
+KERNEL_STACKS = ("fused", "eager")
+
+
 @dataclass(frozen=True)
 class Cluster:
     gpu: GpuKind
     gpus: int
     gpus_per_node: int
     tiers: tuple[Tier, ...] = field(default_factory=tuple)
+    kernels: str = "fused"       #: one of KERNEL_STACKS
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -90,6 +117,8 @@ class Cluster:
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
             raise ValueError(f"--gpus ({self.gpus}) must be a multiple of --gpus-per-node "
                              f"({self.gpus_per_node}) when it spans several nodes")
+        if self.kernels not in KERNEL_STACKS:
+            raise ValueError(f"--kernels must be one of {', '.join(KERNEL_STACKS)}, got {self.kernels!r}")
         for tier in self.tiers:
             if tier.gpus % self.gpus_per_node or tier.oversubscription < 1:
                 raise ValueError(f"cluster tier {tier.name!r}: gpus ({tier.gpus}) must be a multiple of "
@@ -101,7 +130,13 @@ class Cluster:
 
     @property
     def peak_flops(self) -> float:
+        """Datasheet dense bf16 peak (what MFU is quoted against), FLOP/s."""
         return self.gpu.peak_bf16_tflops * 1e12
+
+    @property
+    def sustained_peak_flops(self) -> float:
+        """The peak at the clock the power limit allows (:attr:`GpuKind.clock_factor`), FLOP/s."""
+        return self.peak_flops * self.gpu.clock_factor
 
     def group_bandwidth(self, size: int, stride: int) -> tuple[float, float, bool]:
         """(bus bandwidth B/s, latency s, inside one node) of a collective group.
@@ -139,7 +174,8 @@ class Cluster:
         return ordered[-1].oversubscription
 
 
-def make_cluster(gpu: str, gpus: int, gpus_per_node: int | None = None, **overrides) -> Cluster:
+def make_cluster(gpu: str, gpus: int, gpus_per_node: int | None = None, *, kernels: str = "fused",
+                 **overrides) -> Cluster:
     """A cluster of ``gpus`` GPUs of kind ``gpu``; ``overrides`` replace GpuKind fields."""
     if gpu not in GPUS:
         raise ValueError(f"--gpu: unknown GPU kind {gpu!r}; known: {', '.join(GPUS)}")
@@ -149,11 +185,11 @@ def make_cluster(gpu: str, gpus: int, gpus_per_node: int | None = None, **overri
         raise ValueError(f"cluster: unknown GPU fields {sorted(unknown)}")
     if overrides:
         kind = dataclasses.replace(kind, **overrides)
-    return Cluster(kind, gpus, gpus_per_node or kind.gpus_per_node)
+    return Cluster(kind, gpus, gpus_per_node or kind.gpus_per_node, kernels=kernels)
 
 
 def load_cluster(path: str | Path, *, gpus: int | None = None, gpus_per_node: int | None = None,
-                 gpu: str | None = None) -> Cluster:
+                 gpu: str | None = None, kernels: str | None = None) -> Cluster:
     """A cluster TOML (module docstring); command-line values, when given, win over the file."""
     path = Path(path)
     if not path.exists():
@@ -170,10 +206,12 @@ def load_cluster(path: str | Path, *, gpus: int | None = None, gpus_per_node: in
     table.pop("gpus", None)
     per_node = gpus_per_node or table.pop("gpus_per_node", None)
     table.pop("gpus_per_node", None)
+    stack = kernels or table.pop("kernels", "fused")
+    table.pop("kernels", None)
     if n is None:
         raise ValueError(f"--cluster {path}: give gpus in the file or --gpus")
-    cluster = make_cluster(kind, int(n), per_node, **table)
+    cluster = make_cluster(kind, int(n), per_node, kernels=stack, **table)
     return dataclasses.replace(cluster, tiers=tiers)
 
 
-__all__ = ["GpuKind", "GPUS", "Tier", "Cluster", "make_cluster", "load_cluster"]
+__all__ = ["GpuKind", "GPUS", "KERNEL_STACKS", "Tier", "Cluster", "make_cluster", "load_cluster"]

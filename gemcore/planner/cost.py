@@ -120,9 +120,9 @@ def activation_elements(model: ModelSpec, ac: str, moe: bool) -> float:
 
 @lru_cache(maxsize=256)
 def elementwise_elements(model: ModelSpec, moe: bool) -> float:
-    """Elements read + written by the non-matmul kernels of one layer's forward per token:
-    two RMSNorms (4h), two residual adds (6h), RoPE on q and k, SiLU·mul (3F per MLP), and for
-    experts the token permutation there and back (4·top_k·h)."""
+    """Elements read + written by the non-matmul kernels of one layer's forward per token when
+    they are fused: two RMSNorms (4h), two residual adds (6h), RoPE on q and k, SiLU·mul (3F per
+    MLP), and for experts the token permutation there and back (4·top_k·h)."""
     h = model.hidden
     rope = 2 * (model.num_heads + model.num_kv_heads) * model.qk_head_dim
     if moe:
@@ -130,6 +130,50 @@ def elementwise_elements(model: ModelSpec, moe: bool) -> float:
     else:
         mlp = 3 * model.ffn
     return 10 * h + rope + mlp
+
+
+#: eager PyTorch bytes per element (reads + writes of every separate kernel, forward):
+#: RMSNorm upcast to fp32: cast (2+4), pow (4+4), mean (4), x·rsqrt (4+4), cast back (4+2), ·weight (2+2)
+EAGER_NORM_BYTES = 36
+#: RoPE as a complex product in fp32: cast (2+4), complex multiply (4+4), cast back (4+2)
+EAGER_ROPE_BYTES = 20
+#: SiLU (2+2), then · up (2+2+2)
+EAGER_SWIGLU_BYTES = 10
+#: residual add (2+2+2)
+ADD_BYTES = 6
+
+
+@lru_cache(maxsize=256)
+def eager_elementwise_bytes(model: ModelSpec, moe: bool) -> float:
+    """Bytes one layer's forward moves per token through unfused eager PyTorch kernels: the fused
+    count's tensors, but each op a kernel of its own (``EAGER_*``), plus the grouped-query K/V
+    expansion to all heads and the attention output's transpose back to (T, hidden)."""
+    h, d, H, K = model.hidden, model.qk_head_dim, model.num_heads, model.num_kv_heads
+    norms = 2 * EAGER_NORM_BYTES * h
+    rope = EAGER_ROPE_BYTES * (H + K) * d
+    if moe:
+        mlp = (EAGER_SWIGLU_BYTES * model.expert_ffn * (model.top_k + model.shared_experts)
+               + BF16 * 4 * model.top_k * h)
+    else:
+        mlp = EAGER_SWIGLU_BYTES * model.ffn
+    kv_expand = 2 * BF16 * (K * d + H * d) if K < H else 0       # repeat_kv of k and v
+    transpose = 2 * BF16 * H * model.value_head_dim
+    return norms + 2 * ADD_BYTES * h + rope + mlp + kv_expand + transpose
+
+
+#: cross-entropy bytes per logit, forward + backward: fused (read the bf16 logits twice, write their
+#: gradient) or eager (fp32 upcast, log-softmax, its backward on a dense fp32 gradient, cast back)
+LOSS_BYTES = {"fused": 6, "eager": 40}
+#: optimizer bytes per local weight: fused AdamW + norm (read p, g, m, v; write p, m, v; read g), or
+#: foreach AdamW, one pass per op (lerp, mul, addcmul, sqrt, div, add, addcdiv, decay) + clipping
+OPTIMIZER_BYTES = {"fused": OPTIMIZER_BYTES_PER_PARAM, "eager": 96}
+#: FSDP2 copies per unsharded weight: all-gather copy-out of bf16 weights (2+2); reduce-scatter:
+#: bf16 gradient cast to fp32 (2+4) and copy-in to the flat buffer (4+4)
+FSDP_GATHER_COPY_BYTES = 4
+FSDP_SCATTER_COPY_BYTES = 14
+#: flash attention: backward recomputes QKᵀ (5 matmuls vs the forward's 2), so forward + backward
+#: does 3.5x the forward's FLOPs while model FLOPs count 3x
+ATTENTION_HW_FACTOR = 3.5 / 3.0
 
 
 # ---------------------------------------------------------------------- collectives
@@ -253,19 +297,31 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
     gemm_flops = 6.0 * (active_stage + head) * tokens_mb / tp
     attn_flops = (3.0 * model.num_heads * (model.qk_head_dim + model.value_head_dim) * stage_layers
                   * plan.mbs * mean_sq / (tp * cp))
-    ew = ((1 - moe_frac) * elementwise_elements(model, False) + moe_frac * elementwise_elements(model, True))
-    ew_bytes = BF16 * 3 * ew * stage_layers * tokens_mb / tp      # forward + backward (2x forward)
+    eager = cluster.kernels == "eager"
+    if eager:
+        ew_fwd = ((1 - moe_frac) * eager_elementwise_bytes(model, False)
+                  + moe_frac * eager_elementwise_bytes(model, True))
+        norm_silu = 2 * EAGER_NORM_BYTES * h + EAGER_SWIGLU_BYTES * model.ffn
+    else:
+        ew_fwd = BF16 * ((1 - moe_frac) * elementwise_elements(model, False)
+                         + moe_frac * elementwise_elements(model, True))
+        norm_silu = BF16 * (4 * h + 3 * model.ffn)
+    layer_tokens = stage_layers * tokens_mb / tp
+    ew_bytes = 3 * ew_fwd * layer_tokens          # forward + backward (2x forward)
     recompute = {"none": 0.0, "selective": 0.0, "full": 1.0 / 3.0}[plan.ac]
     if plan.ac == "selective":                    # norms and SiLU·mul run again
-        ew_bytes += BF16 * (4 * h + 3 * model.ffn) * stage_layers * tokens_mb / tp
+        ew_bytes += norm_silu * layer_tokens
     if plan.ac == "full":
-        ew_bytes += BF16 * ew * stage_layers * tokens_mb / tp
+        ew_bytes += ew_fwd * layer_tokens
+    if llm:                                       # the loss (last stage; modelled with the rest)
+        ew_bytes += LOSS_BYTES[cluster.kernels] * tokens_mb * model.vocab_size / tp
     shape = _gemm_shape_factor(min(tokens_mb, h, model.num_heads * model.qk_head_dim / tp,
                                    (model.expert_ffn if model.is_moe else model.ffn) / tp))
-    peak = cluster.peak_flops
+    peak = cluster.sustained_peak_flops
+    hbm = g.hbm_gbps * 1e9 * g.memory_efficiency
     t_gemm = gemm_flops * (1 + recompute) / (peak * g.gemm_efficiency * shape)
-    t_attn = attn_flops * (1 + recompute) / (peak * g.attention_efficiency)
-    t_ew = ew_bytes / (g.hbm_gbps * 1e9 * g.memory_efficiency)
+    t_attn = attn_flops * ATTENTION_HW_FACTOR * (1 + recompute) / (peak * g.attention_efficiency)
+    t_ew = ew_bytes / hbm
     compute_mb = t_gemm + t_attn + t_ew
     bwd_mb = compute_mb * 2 / 3
 
@@ -298,6 +354,10 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
         return gathers * gather + scatters * scatter
 
     fsdp_n, fsdp_exp_n = plan.fsdp_size, plan.fsdp_size // ep
+    # FSDP2's copy-out after each all-gather and cast + copy-in before each reduce-scatter (HBM)
+    copied = (dense_w if fsdp_n > 1 else 0.0) + (expert_w if fsdp_exp_n > 1 else 0.0)
+    n_gather, n_scatter = (2 * n_mb, n_mb) if plan.reshard_after_forward else (1, 1)
+    fsdp_copy_s = copied * (n_gather * FSDP_GATHER_COPY_BYTES + n_scatter * FSDP_SCATTER_COPY_BYTES) / hbm
     if plan.reshard_after_forward:
         fsdp_per_mb = (fsdp(dense_w, fsdp_n, tp, 2, 1) + fsdp(expert_w, fsdp_exp_n, tp * ep, 2, 1))
         fsdp_exposed = n_mb * max(fsdp_per_mb - compute_mb, fsdp_per_mb / stage_layers)
@@ -313,12 +373,12 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
         send = BF16 * h * B * mean_len / cluster.gpus
         embed_exposed = 2 * all_to_all_time(cluster, cluster.gpus, 1, send)
 
-    optimizer_s = OPTIMIZER_BYTES_PER_PARAM * local / (g.hbm_gbps * 1e9 * g.memory_efficiency)
+    optimizer_s = OPTIMIZER_BYTES[cluster.kernels] * local / hbm
     t_mb = compute_mb + tp_mb + cp_mb + ep_mb + pp_mb
     bubble = (pp - 1) / v * t_mb if pp > 1 else 0.0
     comm = {"tp": n_mb * tp_mb, "cp": n_mb * cp_mb, "ep": n_mb * ep_mb, "pp": n_mb * pp_mb,
             "fsdp": fsdp_exposed, "dp_replicate": replicate_exposed, "embedding": embed_exposed}
-    compute_total = n_mb * compute_mb + optimizer_s
+    compute_total = n_mb * compute_mb + optimizer_s + fsdp_copy_s
     step = compute_total + sum(comm.values()) + bubble
 
     tokens_step = B * mean_len
@@ -328,7 +388,7 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
     return Estimate(plan=plan, memory=memory, memory_limit=MEMORY_HEADROOM * cluster.hbm_bytes,
                     compute_s=compute_total, comm_exposed_s={k: t for k, t in comm.items() if t},
                     bubble_s=bubble, step_time_s=step, tokens_per_step=tokens_step,
-                    model_flops_per_step=model_flops, num_gpus=cluster.gpus, peak_flops=peak,
+                    model_flops_per_step=model_flops, num_gpus=cluster.gpus, peak_flops=cluster.peak_flops,
                     num_microbatches=n_mb, intra_node=inside, inter_node=across)
 
 
@@ -337,5 +397,6 @@ def _gemm_shape_factor(smallest_dim: float) -> float:
     return smallest_dim / (smallest_dim + 64.0)
 
 
-__all__ = ["Estimate", "estimate", "training_state_bytes", "activation_elements", "elementwise_elements", "ring_time",
+__all__ = ["Estimate", "estimate", "training_state_bytes", "activation_elements", "elementwise_elements",
+           "eager_elementwise_bytes", "ring_time",
            "all_to_all_time", "placement", "MEMORY_HEADROOM"]

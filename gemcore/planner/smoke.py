@@ -1,11 +1,13 @@
-"""Train a small GemModel a few steps under a plan and print the losses (one JSON line, rank 0).
+"""Train a small GemModel a few steps under a plan and print the losses and the global gradient norms
+before clipping (one JSON line, rank 0).
 
     torchrun --nproc-per-node 4 -m gemcore.planner.smoke --degrees dp_shard=2,tp=2 --steps 3
     python -m gemcore.planner.smoke --steps 3          # one process: the reference losses
 
 Every run draws the same model initialisation and the same global batches (users
 ``[s*B, (s+1)*B)`` at step s, split over the data-parallel ranks as the ``random`` sampler does),
-so losses of any plan must match the single-process run up to reduction order. Used by the tests
+so losses and gradient norms of any plan must match the single-process run up to reduction order
+(the norms catch a wrongly scaled gradient that AdamW's scale invariance would hide in the losses). Used by the tests
 and to check a plan on a launcher before a long job.
 """
 from __future__ import annotations
@@ -25,6 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--experts", type=int, default=0, help="MoE experts (0: dense MLP)")
     ap.add_argument("--clip", type=float, default=1.0, help="max gradient norm (0: off)")
     ap.add_argument("--same-batch", action="store_true", help="train on the first batch every step")
+    ap.add_argument("--hidden", type=int, default=32)
+    ap.add_argument("--blocks", type=int, default=2)
+    ap.add_argument("--max-len", type=int, default=24, help="longest history")
+    ap.add_argument("--predict", action="store_true",
+                    help="also calibrate this machine (gem plan --calibrate's measurements) and print the "
+                         "planner's predicted step time beside the measured median (steps after the first)")
     args = ap.parse_args(argv)
 
     from gemcore.config import AttentionConfig, ModelConfig
@@ -38,33 +46,60 @@ def main(argv: list[str] | None = None) -> int:
     env = launcher_env()
     plan = Plan.parse(args.degrees) if args.degrees else Plan(dp_shard=env["world_size"])
     par = PlannedParallelism(plan, env)
-    cfg = ModelConfig(num_items=300, hidden=32, num_blocks=2, num_heads=4, mlp_ratio=2,
+    cfg = ModelConfig(num_items=300, hidden=args.hidden, num_blocks=args.blocks, num_heads=4, mlp_ratio=2,
                       moe_experts=args.experts, moe_top_k=2)
     torch.manual_seed(0)
     model = GemModel(cfg, make_attention(AttentionConfig(), backend="reference"))
     model = par.apply(model, torch.device("cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = make_synthetic(num_users=args.batch * args.steps, num_items=cfg.num_items,
-                          num_actions=cfg.num_actions, max_len=24, num_candidates=2, num_clusters=4,
+                          num_actions=cfg.num_actions, max_len=args.max_len, num_candidates=2, num_clusters=4,
                           kind="uniform", seed=0)
-    losses = []
+    import time
+
+    losses, grad_norms, step_s = [], [], []
     for step in range(args.steps):
+        t0 = time.perf_counter()
         first = 0 if args.same_batch else step * args.batch
         users = list(range(first, first + args.batch))[par.rank::par.world_size]
         loss = model.loss(data.__getitems__(users))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if args.clip:
-            clip_grad_norm_(model.parameters(), args.clip)
+            grad_norms.append(float(clip_grad_norm_(model.parameters(), args.clip)))
         optimizer.step()
         losses.append(float(par.all_reduce_mean(loss.detach())))
+        step_s.append(time.perf_counter() - t0)
+    out = {"plan": par.describe(), "losses": losses, "grad_norms": grad_norms}
+    if args.predict:
+        out.update(_predict(plan, cfg, args, env, step_s))
     if env["rank"] == 0:
-        print(json.dumps({"plan": par.describe(), "losses": losses}), flush=True)
+        print(json.dumps(out), flush=True)
     if par.mesh is not None:
         import torch.distributed as dist
 
         dist.destroy_process_group()
     return 0
+
+
+def _predict(plan, cfg, args, env, step_s: list[float]) -> dict:
+    """Calibrated prediction of this run's step time (every rank measures: the all-reduce needs all)."""
+    from gemcore.planner.calibrate import calibrate_cluster
+    from gemcore.planner.cluster import make_cluster
+    from gemcore.planner.cost import estimate
+    from gemcore.planner.models import ModelSpec
+
+    spec = ModelSpec(name="smoke", kind="gem", num_layers=cfg.num_blocks, hidden=cfg.hidden,
+                     num_heads=cfg.num_heads, num_kv_heads=cfg.num_heads, ffn=cfg.mlp_ratio * cfg.hidden,
+                     seq_len=args.max_len, length_law="uniform", num_candidates=2,
+                     embedding_rows=cfg.num_items, num_experts=cfg.moe_experts,
+                     top_k=cfg.moe_top_k if cfg.moe_experts else 0)
+    cluster = make_cluster("h100", env["world_size"], env["local_world_size"])
+    cluster, rates = calibrate_cluster(cluster)
+    est = estimate(spec, cluster, plan, seq_len=args.max_len, global_batch=args.batch)
+    measured = sorted(step_s[1:] or step_s)[len(step_s[1:] or step_s) // 2]
+    return {"calibration": rates, "step_s_predicted": est.step_time_s, "step_s_measured": measured,
+            "predicted_over_measured": est.step_time_s / measured}
 
 
 if __name__ == "__main__":
