@@ -75,6 +75,11 @@ class AttentionConfig:
 @dataclass
 class PrecisionConfig:
     impl: str = _f("fp32", "precision hook point: which policy")
+    mx_elem: Literal["e4m3", "e5m2"] = _f("e4m3", "mxfp8: element format of activations and weights")
+    mx_grad_elem: Literal["e4m3", "e5m2"] = _f("e4m3", "mxfp8: element format of gradients")
+    mx_scale_rule: Literal["floor", "rceil"] = _f("rceil", "mxfp8: block scale rule (floor: OCP spec)")
+    mx_min_features: int = _f(0, "mxfp8: keep linears with fewer in/out features in high precision")
+    mx_keep: list[str] = _f(["router", "head"], "mxfp8: module-name parts kept in high precision")
 
 
 @dataclass

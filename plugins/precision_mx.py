@@ -1,0 +1,77 @@
+"""The ``mxfp8`` precision policy: MX (OCP Microscaling) GEMMs in every large ``nn.Linear``.
+
+``apply(model)`` swaps ``nn.Linear`` layers for :class:`gemcore.kernels.mx.MXLinear` (same
+parameters, float32 master weights) except those named in ``keep`` (by default the router of a
+mixture of experts and the click-through head) and those narrower than ``min_features``.
+Embeddings and norms are not linear layers and stay as they are. Everything else runs under bf16
+autocast. On CPU the MX casts and GEMMs run through the PyTorch reference (exact, slow); on CUDA
+through the Triton kernels.
+
+Options are read from the precision config when it has them (``mx_elem``, ``mx_grad_elem``,
+``mx_scale_rule``, ``mx_min_features``, ``mx_keep``); the defaults are :data:`DEFAULTS`.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from gemcore.hookspecs import hookimpl
+from gemcore.kernels.mx import MXConfig, MXLinear, convert_to_mx
+from gemcore.precision import AutocastPolicy
+
+log = logging.getLogger(__name__)
+
+DEFAULTS: dict[str, Any] = {
+    "mx_elem": "e4m3",  # activations and weights
+    "mx_grad_elem": "e4m3",  # output gradients
+    "mx_scale_rule": "rceil",  # never saturates; "floor" is the spec's rule
+    "mx_min_features": 0,  # layers with min(in, out) below this stay in bf16
+    "mx_keep": ("router", "head"),  # module-name components that stay in bf16
+}
+
+
+class MXPrecisionPolicy(AutocastPolicy):
+    """bf16 autocast plus MX linear layers. ``converted``: names of the layers swapped by apply."""
+
+    def __init__(self, elem: str = "e4m3", grad_elem: str = "e4m3", scale_rule: str = "rceil",
+                 min_features: int = 0, keep: Sequence[str] = ("router", "head")):
+        super().__init__("mxfp8", torch.bfloat16)
+        self.mx_config = MXConfig(elem=elem, grad_elem=grad_elem, scale_rule=scale_rule)
+        if not isinstance(min_features, int) or min_features < 0:
+            raise ValueError(f"mx_min_features must be a non-negative int, got {min_features!r}")
+        if isinstance(keep, str):
+            keep = [k for k in keep.split(",") if k]
+        self.min_features = min_features
+        self.keep = tuple(keep)
+        self.converted: list[str] = []
+
+    def wants(self, linear: nn.Linear, fqn: str) -> bool:
+        """Whether the linear layer named ``fqn`` runs in MX."""
+        if any(part in self.keep for part in fqn.split(".")):
+            return False
+        return min(linear.in_features, linear.out_features) >= self.min_features
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        c = self.mx_config
+        model = convert_to_mx(model, filter_fn=self.wants, elem=c.elem, grad_elem=c.grad_elem,
+                              scale_rule=c.scale_rule)
+        self.converted = [name for name, m in model.named_modules() if isinstance(m, MXLinear)]
+        log.info("mxfp8: %d linear layers in MX (%s, grads %s, %s)", len(self.converted), c.elem,
+                 c.grad_elem, c.scale_rule)
+        return model
+
+
+def make_policy(config: Any) -> MXPrecisionPolicy:
+    """``factory(config: PrecisionConfig)``: options from the config where present, else DEFAULTS."""
+    opts = {key: getattr(config, key, default) for key, default in DEFAULTS.items()}
+    return MXPrecisionPolicy(elem=opts["mx_elem"], grad_elem=opts["mx_grad_elem"],
+                             scale_rule=opts["mx_scale_rule"], min_features=opts["mx_min_features"],
+                             keep=opts["mx_keep"])
+
+
+@hookimpl
+def gemcore_precision_policies():
+    return {"mxfp8": make_policy}
