@@ -62,6 +62,7 @@ class DataConfig:
     heldout_fraction: float = _f(0.125, "share of users kept for the held-out AUC")
     batch_size: int = _f(64, "global batch, in users")
     sampler: str = _f("random", "data hook point: which batch sampler")
+    sub_batch: int = _f(128, "bbs: most samples per balanced sub-batch of a rank's list")
 
 
 @dataclass
@@ -104,6 +105,7 @@ class TrainConfig:
     grad_clip: float = _f(1.0, "max global gradient norm (0: off)")
     checkpoint_every: int = _f(0, "save a checkpoint every N steps (0: only at the end)")
     max_time_s: float = _f(0.0, "stop after this many seconds (0: no limit)")
+    eval_every: int = _f(0, "held-out AUC every N steps (0: only at the end)")
 
 
 @dataclass
@@ -134,6 +136,8 @@ class Config:
             (m.moe_experts == 0 or 0 < m.moe_top_k <= m.moe_experts,
              f"model.moe_top_k ({m.moe_top_k}) must be in [1, model.moe_experts={m.moe_experts}]"),
             (0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}"),
+            (self.data.sub_batch > 0, f"data.sub_batch must be positive, got {self.data.sub_batch}"),
+            (self.train.eval_every >= 0, f"train.eval_every must be >= 0, got {self.train.eval_every}"),
             (self.data.batch_size > 0, f"data.batch_size must be positive, got {self.data.batch_size}"),
             (self.data.max_len >= 1, f"data.max_len must be >= 1, got {self.data.max_len}"),
             (self.data.num_candidates >= 1, f"data.num_candidates must be >= 1, got {self.data.num_candidates}"),

@@ -84,7 +84,10 @@ def gemcore_samplers() -> Mapping[str, Callable[..., Any]]:
         drop_last)`` with ``lengths: (N,)`` int64 history lengths of the dataset returns an object
         that iterates over lists of sample indices (one list per step for this rank) and has
         ``set_epoch(e)``, ``state_dict()`` and ``load_state_dict(d)``. ``batch_size`` is the
-        global batch in samples. ``data.sampler`` selects one.
+        global batch in samples. ``data.sampler`` selects one. A factory may also take the optional
+        keywords ``cost`` (callable: lengths (N,) int64 -> (N,) float64 per-sample training FLOPs,
+        history plus candidates) and ``sub_batch`` (int); the trainer passes them only to factories
+        whose signature accepts them.
     """
 
 

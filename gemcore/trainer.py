@@ -2,17 +2,23 @@
 
 Data flow: Config -> plugin manager resolves one implementation per hook point -> GemModel (with
 the attention implementation) -> precision policy -> parallelism -> AdamW + warm-up/cosine ->
-DataLoader over the selected batch sampler -> steps -> metrics.jsonl / checkpoints / summary.
+the selected batch sampler (each rank reads only its own samples) -> steps -> metrics.jsonl /
+checkpoint.pt / summary.json / curves.png in the run folder (written by rank 0 only).
+
+Resume is exact: the checkpoint holds the model, optimizer, LR schedule, gradient scaler, sampler
+and RNG states and the step, and the loop consumes exactly one sampler step per optimizer step, so
+on CPU N steps + resume to 2N gives the same losses, bit for bit, as 2N steps in one go.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -23,6 +29,8 @@ from gemcore.data import JaggedDataset, load_user_data, make_synthetic
 from gemcore.metrics import auc, peak_flops
 from gemcore.model import GemModel
 from gemcore.plugin_manager import GemPluginManager, PluginError
+
+CHECKPOINT_NAME = "checkpoint.pt"
 
 
 class TrainError(Exception):
@@ -46,7 +54,10 @@ def build_components(config: Config, manager: GemPluginManager) -> Components:
     precision = manager.resolve("precision", config.precision.impl).factory(config.precision)
     comm = None
     if config.comms.backend != "none":
-        comm = manager.resolve("communication", config.comms.backend).factory()
+        from gemcore import comms  # "auto" and plugin names resolve here; installs the abort hook
+
+        comm = comms.init(config.comms.backend, manager=manager, timeout_s=config.comms.timeout_s,
+                          check=config.comms.check)
     parallelism = manager.resolve("parallelism", config.parallelism.impl).factory(config.parallelism, comm)
     sampler_factory = manager.resolve("data", config.data.sampler).factory
     return Components(attention, precision, parallelism, comm, sampler_factory)
@@ -60,8 +71,11 @@ def build_datasets(config: Config) -> tuple[JaggedDataset, JaggedDataset]:
                               max_len=d.max_len, num_candidates=d.num_candidates,
                               num_clusters=d.num_clusters, kind=d.kind, seed=config.run.seed)
     else:
-        data = load_user_data(d.path, source=d.source, num_items=m.num_items,
-                              num_actions=m.num_actions, time_buckets=m.time_buckets)
+        try:
+            data = load_user_data(d.path, source=d.source, num_items=m.num_items,
+                                  num_actions=m.num_actions, time_buckets=m.time_buckets)
+        except ValueError as exc:  # name the file even where the loader's message names only the row
+            raise ValueError(str(exc) if str(d.path) in str(exc) else f"{d.path}: {exc}") from None
     perm = np.random.default_rng(config.run.seed + 1).permutation(len(data))
     n_heldout = max(1, int(len(data) * d.heldout_fraction))
     if len(data) - n_heldout < 1:
@@ -89,10 +103,43 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GemModel inside a DDP/compile wrapper."""
+    while hasattr(model, "module") or hasattr(model, "_orig_mod"):
+        model = getattr(model, "module", None) or model._orig_mod
+    return model
+
+
+def sample_cost_fn(model: GemModel, cand_lengths: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Per-sample training FLOPs from the model's counter, history plus candidates:
+    ``lengths (N,) -> a·S + b·S²`` with ``S = lengths + cand_lengths``."""
+    a, b = float(model.flops(1, 0)), float(model.flops(0, 1))
+
+    def cost(lengths: torch.Tensor) -> torch.Tensor:
+        if lengths.shape != cand_lengths.shape:
+            raise ValueError(f"cost: expected the dataset's {cand_lengths.numel()} lengths, got {tuple(lengths.shape)}")
+        seq = (lengths + cand_lengths).to(torch.float64)
+        return a * seq + b * seq * seq
+
+    return cost
+
+
+def _accepted(factory: Callable, options: dict[str, Any]) -> dict[str, Any]:
+    """The subset of ``options`` that ``factory`` takes (older samplers need not take them)."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return options
+    return {k: v for k, v in options.items() if k in params}
+
+
 class Trainer:
     """Owns one run: model, optimizer, schedule, sampler, and the run folder."""
 
-    def __init__(self, config: Config, manager: GemPluginManager, run_dir: Path):
+    def __init__(self, config: Config, manager: GemPluginManager, run_dir: Path,
+                 peak_flops_per_s: float | None = None):
         self.config, self.manager, self.run_dir = config, manager, run_dir
         self.device = resolve_device(config.run.device)
         if config.run.threads:
@@ -101,6 +148,8 @@ class Trainer:
         self.parts = build_components(config, manager)
         self.train_data, self.heldout_data = build_datasets(config)
         model = GemModel(config.model, self.parts.attention)
+        self.flop_counter = model.flops
+        sample_cost = sample_cost_fn(model, self.train_data.cand_lengths)
         model = self.parts.precision.apply(model)
         self.model = self.parts.parallelism.apply(model, self.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.train.lr,
@@ -108,46 +157,111 @@ class Trainer:
         t = config.train
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, t.warmup_steps, config.run.max_steps, t.min_lr_ratio))
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.parts.precision.compute_dtype == torch.float16)
         par = self.parts.parallelism
+        self.is_main = par.rank == 0
+        options = {"cost": sample_cost,
+                   "sub_batch": getattr(config.data, "sub_batch", 128)}
         self.sampler = self.parts.sampler_factory(
             self.train_data.lengths, batch_size=config.data.batch_size, world_size=par.world_size,
-            rank=par.rank, seed=config.run.seed, drop_last=False)
+            rank=par.rank, seed=config.run.seed, drop_last=False,
+            **_accepted(self.parts.sampler_factory, options))
+        self.peak = peak_flops_per_s if peak_flops_per_s else peak_flops(self.device)
         self.step = 0
+        self.resumed_from: int | None = None
+        # whole-run counters (carried through checkpoints)
         self.tokens_total = 0
         self.flops_total = 0.0
+        self.padded_flops_total = 0.0
+        self.train_time_total_s = 0.0
+        self.eval_history: list[dict[str, float]] = []
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "sampler": self.sampler.state_dict(), "rng_torch": torch.get_rng_state(),
-                "rng_numpy": np.random.get_state(), "rng_python": random.getstate()}
+    def _distributed(self) -> bool:
+        return self.parts.parallelism.world_size > 1 and torch.distributed.is_initialized()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+    def state_dict(self) -> dict[str, Any]:
+        """The whole training state; under torch.distributed a collective (every rank calls it),
+        gathering sharded (FSDP2) or wrapped (DDP) model and optimizer states into full ones."""
+        if self._distributed():
+            from torch.distributed.checkpoint import state_dict as dcp
+
+            options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
+            model_state, optim_state = dcp.get_state_dict(self.model, self.optimizer, options=options)
+        else:
+            model_state, optim_state = self.model.state_dict(), self.optimizer.state_dict()
+        return {"format_version": checkpoint.FORMAT_VERSION, "step": self.step,
+                "config": self.config.to_dict(), "model": model_state,
+                "optimizer": optim_state, "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict(), "sampler": self.sampler.state_dict(),
+                "rng_torch": torch.get_rng_state(),
+                "rng_cuda": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None,
+                "rng_numpy": np.random.get_state(), "rng_python": random.getstate(),
+                "counters": {"tokens": self.tokens_total, "flops": self.flops_total,
+                             "padded_flops": self.padded_flops_total, "train_time_s": self.train_time_total_s},
+                "eval_history": self.eval_history}
+
+    def load_state_dict(self, state: dict[str, Any], path: Path | str = CHECKPOINT_NAME) -> None:
+        """Restore a checkpoint; errors (another config, wrong shapes) name the file."""
+        checkpoint.check_config(state["config"], self.config.to_dict(), path)
+        try:
+            if self._distributed():
+                from torch.distributed.checkpoint import state_dict as dcp
+
+                dcp.set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                                   optim_state_dict=state["optimizer"],
+                                   options=dcp.StateDictOptions(full_state_dict=True))
+            else:
+                self.model.load_state_dict(state["model"])
+                self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, KeyError, ValueError) as exc:
+            raise checkpoint.CheckpointError(f"checkpoint {path}: model/optimizer state does not fit "
+                                             f"this model: {exc}") from None
         self.scheduler.load_state_dict(state["scheduler"])
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
         self.sampler.load_state_dict(state["sampler"])
         torch.set_rng_state(state["rng_torch"])
+        if state.get("rng_cuda") is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state_all(state["rng_cuda"])
         np.random.set_state(state["rng_numpy"])
         random.setstate(state["rng_python"])
+        self.step = self.resumed_from = int(state["step"])
+        counters = state.get("counters", {})
+        self.tokens_total = int(counters.get("tokens", 0))
+        self.flops_total = float(counters.get("flops", 0.0))
+        self.padded_flops_total = float(counters.get("padded_flops", 0.0))
+        self.train_time_total_s = float(counters.get("train_time_s", 0.0))
+        self.eval_history = list(state.get("eval_history", []))
 
-    def save(self) -> Path:
-        return checkpoint.save_atomic(self.state_dict(), self.run_dir / "checkpoint.pt")
+    def save(self) -> Path | None:
+        """Write the checkpoint atomically. Every rank calls it (gathering may be a collective);
+        rank 0 writes: sampler and schedule states are the same on every rank."""
+        state = self.state_dict()
+        if not self.is_main:
+            return None
+        return checkpoint.save_atomic(state, self.run_dir / CHECKPOINT_NAME)
 
     # ------------------------------------------------------------------ training
-    def train_step(self, batch) -> torch.Tensor:
+    def train_step(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One optimizer step; returns (loss, gradient norm before clipping or None), on device."""
         self.model.train()
         with self.parts.precision.autocast(self.device.type):
-            loss = self.model.loss(batch)
+            loss = self.model.loss(batch) if isinstance(self.model, GemModel) else _wrapped_loss(self.model, batch)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        self.scaler.scale(loss).backward()
+        grad_norm = None
         if self.config.train.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.train.grad_clip)
-        self.optimizer.step()
+            self.scaler.unscale_(self.optimizer)
+            # a parallelism may clip itself (mixed DTensor/tensor parameters under TP and EP)
+            clip = getattr(self.parts.parallelism, "clip_grad_norm_", torch.nn.utils.clip_grad_norm_)
+            grad_norm = clip(self.model.parameters(), self.config.train.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
         self.scheduler.step()
-        return loss.detach()
+        if grad_norm is not None and hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2/TP
+            grad_norm = grad_norm.full_tensor()
+        return loss.detach(), None if grad_norm is None else grad_norm.detach()
 
     @torch.no_grad()
     def evaluate(self, max_users: int) -> float:
@@ -158,119 +272,224 @@ class Trainer:
         for start in range(0, n, 256):
             batch = self.heldout_data.__getitems__(list(range(start, min(n, start + 256)))).to(self.device)
             with self.parts.precision.autocast(self.device.type):
-                scores.append(self.model(batch).float().cpu())
+                scores.append(unwrap(self.model)(batch).float().cpu())
             labels.append(batch.labels.cpu())
         return auc(torch.cat(scores), torch.cat(labels))
 
-    def fit(self, progress=None) -> list[dict[str, float]]:
-        """Train up to ``run.max_steps`` (or ``train.max_time_s``); returns the metric rows."""
+    def step_flops(self, batch) -> tuple[float, float]:
+        """(model FLOPs on real tokens, FLOPs a padded implementation would spend) of one step."""
+        real = self.flop_counter(batch.num_tokens, batch.sum_sq_len)
+        padded_len = batch.batch_size * batch.max_len
+        padded = self.flop_counter(padded_len, padded_len * batch.max_len)
+        return float(real), float(padded)
+
+    def fit(self, progress=None, stop_after: int | None = None) -> tuple[list[dict[str, Any]], str]:
+        """Train until ``run.max_steps``, ``train.max_time_s`` or ``stop_after`` steps of this call.
+
+        Returns (metric rows of this call, why it stopped: "max_steps", "max_time" or "stop_after").
+        """
         cfg = self.config
-        loader = torch.utils.data.DataLoader(self.train_data, batch_sampler=self.sampler,
-                                             collate_fn=lambda b: b,
-                                             pin_memory=self.device.type == "cuda")
-        model_flops = self.model.flops if hasattr(self.model, "flops") else None
-        rows: list[dict[str, float]] = []
-        pending: list[tuple[int, torch.Tensor, int, float]] = []
+        eval_every = int(getattr(cfg.train, "eval_every", 0) or 0)
+        log_every = max(1, cfg.run.log_every)
+        rows: list[dict[str, Any]] = []
+        pending: list[dict[str, Any]] = []
+        batches = iter(self.sampler)
+        metrics_file = (self.run_dir / "metrics.jsonl").open("a") if self.is_main else None
         t_start = t_last = time.perf_counter()
-        tokens_since = flops_since = 0.0
-        metrics_file = (self.run_dir / "metrics.jsonl").open("a")
+        steps_done, stopped = 0, "max_steps"
         try:
-            for batch in loader:
-                if self.step >= cfg.run.max_steps:
+            while self.step < cfg.run.max_steps:
+                if stop_after is not None and steps_done >= stop_after:
+                    stopped = "stop_after"
                     break
-                batch = batch.to(self.device)
-                loss = self.train_step(batch)
+                batch = self.train_data.__getitems__(next(batches)).to(self.device)
+                lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies
+                loss, grad_norm = self.train_step(batch)
                 self.step += 1
-                step_flops = model_flops(batch.num_tokens, batch.sum_sq_len) if model_flops else 0.0
-                tokens_since += batch.num_tokens
-                flops_since += step_flops
+                steps_done += 1
+                real, padded = self.step_flops(batch)
                 self.tokens_total += batch.num_tokens
-                self.flops_total += step_flops
-                pending.append((self.step, loss, batch.num_tokens, self.scheduler.get_last_lr()[0]))
-                last = self.step >= cfg.run.max_steps
-                out_of_time = cfg.train.max_time_s and time.perf_counter() - t_start > cfg.train.max_time_s
-                if len(pending) >= cfg.run.log_every or last or out_of_time:
-                    rows += self._flush(pending, tokens_since, flops_since, t_last, metrics_file, progress)
-                    pending, tokens_since, flops_since, t_last = [], 0.0, 0.0, time.perf_counter()
-                if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0:
-                    self.save()
+                self.flops_total += real
+                self.padded_flops_total += padded
+                pending.append({"step": self.step, "loss": loss, "grad_norm": grad_norm,
+                                "tokens": batch.num_tokens, "flops": real, "padded_flops": padded,
+                                "lr": lr})
+                out_of_time = self._out_of_time(time.perf_counter() - t_start)
+                finished = self.step >= cfg.run.max_steps or out_of_time or (
+                    stop_after is not None and steps_done >= stop_after)
+                ckpt_now = bool(cfg.train.checkpoint_every) and self.step % cfg.train.checkpoint_every == 0
+                eval_now = bool(eval_every) and self.step % eval_every == 0
+                if len(pending) >= log_every or finished or ckpt_now or eval_now:
+                    now = time.perf_counter()
+                    self.train_time_total_s += now - t_last
+                    rows += self._flush(pending, now - t_last, now - t_start, metrics_file, progress)
+                    pending = []
+                    if eval_now:
+                        self._evaluate_and_log(metrics_file)
+                    if ckpt_now and not finished:
+                        self.save()
+                    t_last = time.perf_counter()  # evaluation and saving are not training time
                 if out_of_time:
+                    stopped = "max_time"
                     break
         finally:
-            metrics_file.close()
-        return rows
+            if metrics_file is not None:
+                metrics_file.close()
+        return rows, stopped
 
-    def _flush(self, pending, tokens, flops, t_last, metrics_file, progress) -> list[dict[str, float]]:
-        """One host sync per logging interval: losses to host, throughput over the interval."""
-        losses = torch.stack([p[1] for p in pending]).float().cpu().tolist()
-        elapsed = max(time.perf_counter() - t_last, 1e-9)
-        tokens_per_s = tokens / elapsed
-        rows = []
-        for (step, _, num_tokens, lr), loss in zip(pending, losses):
-            row = {"step": step, "loss": loss, "tokens": num_tokens, "tokens_per_s": tokens_per_s,
-                   "flops_per_s": flops / elapsed, "lr": lr}
-            rows.append(row)
+    def _out_of_time(self, elapsed_s: float) -> bool:
+        """Past ``train.max_time_s``? With several ranks, any rank's clock stops all of them (one
+        tiny all-reduce per step, only when a time limit is set), so no rank waits in a collective."""
+        limit = self.config.train.max_time_s
+        if not limit:
+            return False
+        late = elapsed_s > limit
+        if self.parts.parallelism.world_size > 1:
+            flag = torch.tensor([1.0 if late else 0.0], device=self.device)
+            late = float(self.parts.parallelism.all_reduce_mean(flag).item()) > 0.0
+        return late
+
+    def _evaluate_and_log(self, metrics_file) -> None:
+        value = self.evaluate(self.config.run.eval_users)
+        row = {"step": self.step, "eval_auc": value}
+        self.eval_history.append(row)
+        if metrics_file is not None:
             metrics_file.write(json.dumps(row) + "\n")
-            self.manager.hook.gemcore_after_step(step=step, metrics=row)
-        metrics_file.flush()
-        if progress is not None:
-            progress(self.step, losses[-1], tokens_per_s)
+            metrics_file.flush()
+
+    def _flush(self, pending, elapsed_s, since_start_s, metrics_file, progress) -> list[dict[str, Any]]:
+        """One host sync per logging interval: losses (averaged over ranks) to host, throughput
+        and MFU over the interval (every row of an interval carries the interval's rates)."""
+        losses = self.parts.parallelism.all_reduce_mean(torch.stack([p["loss"] for p in pending]).float())
+        losses = losses.cpu().tolist()
+        norms = [None] * len(pending)
+        if pending[0]["grad_norm"] is not None:  # clipping on: every step has a norm
+            norms = torch.stack([p["grad_norm"] for p in pending]).float().cpu().tolist()
+        elapsed_s = max(elapsed_s, 1e-9)
+        tokens_per_s = sum(p["tokens"] for p in pending) / elapsed_s
+        flops_per_s = sum(p["flops"] for p in pending) / elapsed_s
+        mfu = flops_per_s / self.peak if self.peak else None
+        rows = []
+        for p, loss, norm in zip(pending, losses, norms):
+            row = {"step": p["step"], "loss": loss, "lr": p["lr"], "grad_norm": norm, "tokens": p["tokens"],
+                   "tokens_per_s": tokens_per_s, "flops_per_s": flops_per_s, "mfu": mfu,
+                   "padded_waste": 1.0 - p["flops"] / p["padded_flops"] if p["padded_flops"] else 0.0,
+                   "time_s": since_start_s}
+            rows.append(row)
+            if metrics_file is not None:
+                metrics_file.write(json.dumps(row) + "\n")
+            self.manager.hook.gemcore_after_step(step=p["step"], metrics=row)
+        if metrics_file is not None:
+            metrics_file.flush()
+        if progress is not None and self.is_main:
+            progress(self.step, losses[-1], tokens_per_s, mfu=mfu, padded_waste=rows[-1]["padded_waste"])
         return rows
 
-    def summarize(self, rows: list[dict[str, float]], wall_s: float, auc_value: float) -> dict[str, Any]:
-        tokens, flops = self.tokens_total, self.flops_total
-        flops_per_s = flops / wall_s if wall_s > 0 else 0.0
-        peak = peak_flops(self.device)
+    def summarize(self, rows: list[dict[str, Any]], wall_s: float, auc_value: float, stopped: str) -> dict[str, Any]:
+        """Whole-run totals (across resumes) plus this call's losses. Token, FLOP and time figures
+        are this rank's (MFU is per device); losses are averaged over ranks."""
+        tokens, flops, train_s = self.tokens_total, self.flops_total, self.train_time_total_s
+        flops_per_s = flops / train_s if train_s > 0 else 0.0
         return {
             "steps": self.step,
+            "steps_this_run": len(rows),
+            "resumed_from_step": self.resumed_from,
+            "stopped": stopped,
             "tokens": tokens,
-            "train_time_s": wall_s,
-            "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
+            "train_time_s": train_s,
+            "wall_time_s": wall_s,
+            "tokens_per_s": tokens / train_s if train_s > 0 else 0.0,
             "model_flops_per_token": flops / tokens if tokens else None,
             "achieved_flops_per_s": flops_per_s,
-            "peak_flops_per_s": peak,
-            "mfu": flops_per_s / peak if peak else None,
+            "peak_flops_per_s": self.peak,
+            "mfu": flops_per_s / self.peak if self.peak else None,
+            "padded_waste": 1.0 - flops / self.padded_flops_total if self.padded_flops_total else None,
             "loss_first": rows[0]["loss"] if rows else None,
             "loss_last": rows[-1]["loss"] if rows else None,
             "auc": auc_value,
+            "eval_auc": self.eval_history,
             "device": str(self.device),
             "parallelism": self.parts.parallelism.describe(),
+            "world_size": self.parts.parallelism.world_size,
+            "rank": self.parts.parallelism.rank,
+            "sampler": self.config.data.sampler,
             "parameters": sum(p.numel() for p in self.model.parameters()),
         }
 
 
-def prepare_run_dir(config: Config, resume: str | None) -> Path:
+def _wrapped_loss(model, batch):
+    """:meth:`GemModel.loss` through a wrapper's forward (DDP must see the forward to sync gradients)."""
+    logits = model(batch)
+    return torch.nn.functional.binary_cross_entropy_with_logits(
+        logits.float(), batch.labels, reduction="sum") / max(batch.labels.numel(), 1)
+
+
+def run_dir_for(config: Config, resume: str | None) -> Path:
+    """The run folder: ``resume`` (which must hold a checkpoint) or ``<out_dir>/<name>``."""
     if resume:
         run_dir = Path(resume)
-        if not (run_dir / "checkpoint.pt").exists():
-            raise TrainError(f"--resume {resume}: no checkpoint.pt in that folder")
+        if not (run_dir / CHECKPOINT_NAME).exists():
+            raise TrainError(f"--resume {resume}: no {CHECKPOINT_NAME} in that folder")
         return run_dir
-    name = config.run.name or time.strftime("run-%Y%m%d-%H%M%S")
-    run_dir = Path(config.run.out_dir) / name
+    return Path(config.run.out_dir) / (config.run.name or time.strftime("run-%Y%m%d-%H%M%S"))
+
+
+def start_fresh(run_dir: Path) -> None:
+    """Create the folder of a new run and clear what an earlier run of that name left."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    return run_dir
+    for name in ("metrics.jsonl", CHECKPOINT_NAME, "summary.json"):
+        (run_dir / name).unlink(missing_ok=True)
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop rows logged after ``step`` (a run killed after its last checkpoint logged them)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(line + "\n" for line in kept))
 
 
 def run_training(config: Config, manager: GemPluginManager, *, resume: str | None = None,
-                 progress=None) -> tuple[dict[str, Any], Path]:
-    """The whole ``gem train`` job; returns (summary, run folder)."""
-    run_dir = prepare_run_dir(config, resume)
+                 progress=None, stop_after: int | None = None,
+                 peak_flops_per_s: float | None = None) -> tuple[dict[str, Any], Path]:
+    """The whole ``gem train`` job; returns (summary, run folder).
+
+    ``resume``: a run folder to continue from its checkpoint. ``stop_after``: stop (and save)
+    after this many steps of this call; the LR schedule still spans ``run.max_steps``.
+    ``peak_flops_per_s``: the device's peak for MFU when the built-in table does not know it.
+    """
+    if stop_after is not None and stop_after < 0:
+        raise ValueError(f"stop_after must be >= 0, got {stop_after}")
     manager.hook.gemcore_configure.call_historic(kwargs={"config": config})
-    trainer = Trainer(config, manager, run_dir)
-    if resume:
-        trainer.load_state_dict(checkpoint.load(run_dir / "checkpoint.pt"))
-    (run_dir / "config.toml").write_text(config.to_toml())
+    run_dir = run_dir_for(config, resume)
+    ckpt_path = run_dir / CHECKPOINT_NAME
+    state = None
+    if resume:  # fail fast, before building anything
+        state = checkpoint.load(ckpt_path)
+        checkpoint.check_config(state["config"], config.to_dict(), ckpt_path)
+    trainer = Trainer(config, manager, run_dir, peak_flops_per_s)
+    if trainer.is_main:
+        if state is None:
+            start_fresh(run_dir)
+        else:
+            checkpoint.remove_stale_temporaries(ckpt_path)
+            truncate_metrics(run_dir / "metrics.jsonl", int(state["step"]))
+    if state is not None:
+        trainer.load_state_dict(state, ckpt_path)
+    if trainer.is_main:
+        (run_dir / "config.toml").write_text(config.to_toml())
     t0 = time.perf_counter()
-    rows = trainer.fit(progress)
+    rows, stopped = trainer.fit(progress, stop_after)
     wall_s = time.perf_counter() - t0
     trainer.save()
     auc_value = trainer.evaluate(config.run.eval_users)
-    summary = trainer.summarize(rows, wall_s, auc_value)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    from gemcore.plots import plot_curves  # matplotlib is imported only when a run finishes
+    summary = trainer.summarize(rows, wall_s, auc_value, stopped)
+    if trainer.is_main:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        from gemcore.plots import plot_curves  # matplotlib is imported only when a run finishes
 
-    plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
+        plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
     manager.hook.gemcore_end_run(summary=summary, run_dir=run_dir)
     return summary, run_dir
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from gemcore.cli.common import add_config_arguments, load_from_args
 
 #: flag -> config key it sets
-FLAG_KEYS = (("name", "run.name"), ("max_steps", "run.max_steps"), ("device", "run.device"),
+FLAG_KEYS = (("parallel", "parallelism.impl"), ("name", "run.name"), ("max_steps", "run.max_steps"), ("device", "run.device"),
              ("seed", "run.seed"), ("checkpoint_every", "train.checkpoint_every"),
              ("max_time", "train.max_time_s"), ("eval_every", "train.eval_every"))
 
@@ -28,6 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-steps", type=_non_negative(int), metavar="N",
                    help="optimizer steps of the whole run (the LR schedule spans them)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="where to train")
+    p.add_argument("--parallel", metavar="IMPL", help="parallelism.impl (single, fsdp, planned, auto, ...)")
     p.add_argument("--seed", type=_non_negative(int), metavar="S", help="seed of model, data and sampler")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint")
     p.add_argument("--checkpoint-every", type=_non_negative(int), metavar="N",
@@ -37,9 +38,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-after", type=_non_negative(int), metavar="N",
                    help="stop (and save) after N steps of this invocation; continue with --resume")
     p.add_argument("--eval-every", type=_non_negative(int), metavar="K", help="held-out AUC every K steps")
-    p.add_argument("--peak-tflops", type=float, metavar="T",
+    p.add_argument("--peak-tflops", type=_non_negative(float), metavar="T",
                    help="device peak (dense bf16 TFLOP/s) for MFU when the built-in table lacks it")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _declared(key: str) -> bool:
+    """Whether the config dataclasses declare ``section.name``."""
+    from gemcore.config import Config
+
+    section, name = key.split(".")
+    return name in {f.name for f in dataclasses.fields(type(getattr(Config(), section)))}
 
 
 def _apply_extra_fields(config, pending: dict[str, object]) -> None:
@@ -53,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from gemcore.cli.report import print_summary, progress_bar
+    from gemcore.comms.launch import detect
     from gemcore.config import load_config
     from gemcore.trainer import TrainError, run_training
 
@@ -61,12 +71,7 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is None:
             continue
-        section, name = key.split(".")
-        from gemcore import config as config_module
-
-        cls = {f.name: f.type for f in dataclasses.fields(config_module.Config)}[section]
-        cls = getattr(config_module, cls) if isinstance(cls, str) else cls
-        if name not in {f.name for f in dataclasses.fields(cls)}:
+        if not _declared(key):
             undeclared[key] = value
         else:
             extra.append(f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}")
@@ -79,8 +84,9 @@ def run(args: argparse.Namespace) -> int:
     _apply_extra_fields(config, undeclared)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else None
     console = Console(stderr=True)
-    with progress_bar(console, config.run.max_steps, disabled=args.quiet) as update:
+    with progress_bar(console, config.run.max_steps, disabled=args.quiet or detect().rank != 0) as update:
         summary, run_dir = run_training(config, manager, resume=args.resume, progress=update,
                                         stop_after=args.stop_after, peak_flops_per_s=peak)
-    print_summary(Console(), summary, run_dir)
+    if summary.get("rank", 0) == 0:
+        print_summary(Console(), summary, run_dir)
     return 0

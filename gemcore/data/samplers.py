@@ -12,10 +12,12 @@ class RandomBatchSampler:
     Each epoch is a permutation drawn from (seed, epoch); the tail shorter than a global batch is
     a final smaller step unless ``drop_last``. Iteration continues over epochs forever; the
     trainer stops by step count. ``state_dict`` holds (epoch, step within epoch).
+    ``cost`` and ``sub_batch`` (passed by the trainer to every sampler) are accepted and ignored:
+    random sharding does not look at cost.
     """
 
     def __init__(self, lengths, *, batch_size: int, world_size: int = 1, rank: int = 0,
-                 seed: int = 0, drop_last: bool = False):
+                 seed: int = 0, drop_last: bool = False, cost=None, sub_batch: int | None = None):
         n = len(lengths)
         if batch_size <= 0 or batch_size % world_size:
             raise ValueError(f"batch_size ({batch_size}) must be a positive multiple of world_size ({world_size})")
