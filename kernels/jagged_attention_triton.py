@@ -76,6 +76,14 @@ def _block_d(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
+def _fast_act(q: torch.Tensor, activation: str) -> bool:
+    """Hardware tanh for the sigmoid of silu / gelu_tanh: 16-bit inputs on a GPU only (its
+    ~2^-11 absolute error is below bf16 / fp16 rounding of the activations, not below fp32's;
+    the interpreter cannot run inline PTX)."""
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+            and activation in ("silu", "gelu_tanh"))
+
+
 def _common(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, norm,
             window_left, window_right, max_seqlen):
     """Launch arguments shared by the three kernels."""
@@ -95,6 +103,7 @@ def _common(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale
         ACTIVATION=ACTIVATION_CODES[activation], CAUSAL=bool(causal),
         HAS_TARGETS=num_targets is not None, HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0,
         POOLED=pooled, INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FAST_ACT=_fast_act(q, activation),
     )
     max_q = nq_pooled if pooled else max_seqlen
     return q_off, kv_off, nt, B, H, nq_pooled, inv_norm, flags, max_q
@@ -130,14 +139,23 @@ def _bwd(do, q, k, v, out, lse2, offsets, kv_offsets, num_targets, activation, c
     do = do.reshape(-1, H, v.shape[2])
     if do.stride(-1) != 1:
         do = do.contiguous()
-    if activation == "softmax":
-        delta = (out.reshape(do.shape).float() * do.float()).sum(-1).contiguous()
-    else:
-        delta = lse2
+    # softmax: delta = rowsum(dO * O) is written by the dQ kernel, which therefore runs first
+    delta = torch.empty(lse2.shape, device=q.device, dtype=torch.float32)
     dq_rows = torch.empty(do.shape[0], H, q.shape[2], device=q.device,
                           dtype=torch.float32 if offsets is None else q.dtype)
     dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    cfg = _config("dq", max(q.shape[2], v.shape[2]), q.dtype)
+    n_m_tiles = triton.cdiv(max_q, cfg.block_m)
+    if B * H > 0 and n_m_tiles > 0:
+        _jagged_attn_bwd_dq[(B * H, n_m_tiles)](
+            q, k, v, out, do, lse2, delta, dq_rows, q_off, kv_off, nt,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1), do.stride(0), do.stride(1),
+            dq_rows.stride(0), dq_rows.stride(1),
+            H, nq_pooled, n_m_tiles, scale, inv_norm, window_left, window_right,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **flags)
     cfg = _config("dkdv", max(q.shape[2], v.shape[2]), q.dtype)
     n_n_tiles = triton.cdiv(max_seqlen, cfg.block_n)
     if B * H > 0 and n_n_tiles > 0:
@@ -145,17 +163,7 @@ def _bwd(do, q, k, v, out, lse2, offsets, kv_offsets, num_targets, activation, c
             q, k, v, do, lse2, delta, dk, dv, q_off, kv_off, nt,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-            H, nq_pooled, n_n_tiles, scale, inv_norm, window_left, window_right,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **flags)
-    cfg = _config("dq", max(q.shape[2], v.shape[2]), q.dtype)
-    n_m_tiles = triton.cdiv(max_q, cfg.block_m)
-    if B * H > 0 and n_m_tiles > 0:
-        _jagged_attn_bwd_dq[(B * H, n_m_tiles)](
-            q, k, v, do, lse2, delta, dq_rows, q_off, kv_off, nt,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            do.stride(0), do.stride(1), dq_rows.stride(0), dq_rows.stride(1),
-            H, nq_pooled, n_m_tiles, scale, inv_norm, window_left, window_right,
+            H, nq_pooled, scale, inv_norm, window_left, window_right,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **flags)
     if offsets is None:  # pooled: every sequence's queries are the same rows of q

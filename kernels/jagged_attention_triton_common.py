@@ -3,9 +3,9 @@
 The kernels are in :mod:`~gemcore.kernels.jagged_attention_triton_fwd` (forward) and
 :mod:`~gemcore.kernels.jagged_attention_triton_bwd` (dK/dV and dQ, no atomics).
 
-Grid of every kernel: axis 0 = (sequence b, head h), axis 1 = tile of the sequence, longest
-tiles first (axis 1 reversed, so the long sequences' last tiles, which carry the most work under a
-causal mask, are dispatched before the short ones). Tiles past a sequence's end exit at once, so
+Grid of every kernel: axis 0 = (sequence b, head h), axis 1 = tile of the sequence, heaviest
+tiles first under a causal mask: the forward and dQ reverse axis 1 (a sequence's last query tiles
+see the most keys), dK/dV keeps it (a sequence's first key tiles are seen by the most queries). Tiles past a sequence's end exit at once, so
 memory and work follow the real tokens, not B x max_len.
 
 Masking: each program splits its loop in three ranges: the tiles wholly inside the allowed
@@ -28,15 +28,29 @@ ACTIVATION_CODES = {"softmax": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 
 
 
 @triton.jit
-def _act(x, ACTIVATION: tl.constexpr):
-    """act(x) for the non-softmax activations (x float32)."""
+def _sigmoid(x, FAST: tl.constexpr):
+    """sigmoid(x) (x float32). FAST: ``(1 + tanh(x/2)) / 2`` with the hardware
+    ``tanh.approx.f32`` (one MUFU op instead of exp + reciprocal; absolute error about 2^-11,
+    below bf16's rounding of the activations, so only used for 16-bit inputs on a GPU)."""
+    if FAST:
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [0.5 * x],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+        y = 0.5 * t + 0.5
+    else:
+        y = tl.sigmoid(x)
+    return y
+
+
+@triton.jit
+def _act(x, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
+    """act(x) for the non-softmax activations (x float32); FAST as in :func:`_tanh`."""
     if ACTIVATION == 1:
-        y = x * tl.sigmoid(x)
+        y = x * _sigmoid(x, FAST)
     elif ACTIVATION == 2:
         y = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
     elif ACTIVATION == 3:
         u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        y = x * tl.sigmoid(2.0 * u)  # 0.5 x (1 + tanh u) = x sigmoid(2u)
+        y = x * _sigmoid(2.0 * u, FAST)  # 0.5 x (1 + tanh u) = x sigmoid(2u)
     elif ACTIVATION == 4:
         y = tl.maximum(x, 0.0)
     elif ACTIVATION == 5:
@@ -48,26 +62,34 @@ def _act(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _act_grad(x, ACTIVATION: tl.constexpr):
-    """d act(x) / dx for the non-softmax activations (x float32)."""
+def _act_and_grad(x, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
+    """(act(x), d act / dx) for the non-softmax activations (x float32), sharing one sigmoid;
+    a caller that uses only the derivative leaves act to dead-code elimination."""
     if ACTIVATION == 1:
-        s = tl.sigmoid(x)
-        g = s * (1.0 + x * (1.0 - s))
+        s = _sigmoid(x, FAST)
+        y = x * s
+        g = s + y * (1.0 - s)  # s (1 + x (1 - s))
     elif ACTIVATION == 2:
         cdf = 0.5 * (1.0 + tl.erf(x * 0.7071067811865476))
+        y = x * cdf
         g = cdf + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
     elif ACTIVATION == 3:
         u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        s = tl.sigmoid(2.0 * u)  # (1 + tanh u) / 2
+        s = _sigmoid(2.0 * u, FAST)  # (1 + tanh u) / 2
+        y = x * s
         # d/dx [x s] = s + x * ds/du * du/dx, ds/du = 2 s (1 - s)
-        g = s + x * 2.0 * s * (1.0 - s) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x)
+        g = s + y * 2.0 * (1.0 - s) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x)
     elif ACTIVATION == 4:
+        y = tl.maximum(x, 0.0)
         g = tl.where(x > 0.0, 1.0, 0.0)
     elif ACTIVATION == 5:
-        g = 2.0 * tl.maximum(x, 0.0)
+        r = tl.maximum(x, 0.0)
+        y = r * r
+        g = 2.0 * r
     else:
+        y = x
         g = tl.full(x.shape, 1.0, tl.float32)
-    return g
+    return y, g
 
 
 @triton.jit

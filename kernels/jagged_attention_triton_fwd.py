@@ -23,7 +23,7 @@ def _fwd_loop(acc, m_i, l_i, q, k_base, v_base, offs_m, lo, hi, stride_kt, strid
               BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
               ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASKED: tl.constexpr,
-              INPUT_PRECISION: tl.constexpr):
+              INPUT_PRECISION: tl.constexpr, FAST_ACT: tl.constexpr):
     """Key tiles [lo, hi) of one query tile; MASKED=False only for wholly visible tiles."""
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_dqk = tl.arange(0, BLOCK_DQK)
@@ -55,7 +55,7 @@ def _fwd_loop(acc, m_i, l_i, q, k_base, v_base, offs_m, lo, hi, stride_kt, strid
             acc = acc * alpha[:, None]
             m_i = m_new
         else:
-            p = _act(s * scale, ACTIVATION)
+            p = _act(s * scale, ACTIVATION, FAST_ACT)
             if MASKED:
                 allowed = _allowed(offs_m[:, None], offs_n[None, :], q_len, kv_len, history,
                                    left, right, CAUSAL, HAS_TARGETS, HAS_LEFT, HAS_RIGHT)
@@ -73,6 +73,7 @@ def _jagged_attn_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACTIVATION: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, POOLED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    FAST_ACT: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     b = pid_bh // H
@@ -107,7 +108,7 @@ def _jagged_attn_fwd(
             acc, m_i, l_i, q, k_base, v_base, offs_m, p_lo, p_hi, stride_kt, stride_vt, q_len,
             kv_len, history, left, right, scale, qk_scale, D_QK, D_V, BLOCK_DQK, BLOCK_DV,
             BLOCK_N, ACTIVATION, CAUSAL, HAS_TARGETS, HAS_LEFT, HAS_RIGHT, part != 0,
-            INPUT_PRECISION)
+            INPUT_PRECISION, FAST_ACT)
     row_ok = offs_m < q_len
     if ACTIVATION == 0:
         empty = l_i == 0.0

@@ -20,9 +20,13 @@ pytestmark = pytest.mark.skipif(not (CUDA or INTERPRET),
                                 reason="needs a CUDA GPU or TRITON_INTERPRET=1 (run by test_jagged_attention.py)")
 triton = pytest.importorskip("triton")
 
+import triton.language as tl  # noqa: E402
+
 from gemcore.kernels import jagged_attention  # noqa: E402
 from gemcore.kernels.jagged_attention_triton import (  # noqa: E402
     TileConfig, jagged_attention_bwd_op, jagged_attention_fwd_op, pinned_configs)
+from gemcore.kernels.jagged_attention_triton_common import (  # noqa: E402
+    ACTIVATION_CODES, _act, _act_and_grad)
 
 DEVICE = "cuda" if CUDA else "cpu"
 SMALL = TileConfig(16, 16, 1, 1)
@@ -150,6 +154,62 @@ def test_bf16_real_sizes(activation):
     check_parity(lengths, activation=activation, causal=True, H=4, D=64, Dv=64, dtype=torch.float32)
     check_parity(lengths, kv_lengths=[256] * len(lengths), activation=activation, H=4, D=128,
                  Dv=128, dtype=torch.bfloat16)
+
+
+def test_fast_activation_only_for_16_bit_cuda_inputs():
+    from gemcore.kernels.jagged_attention_triton import _fast_act
+
+    x32, x16 = torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16)
+    assert not _fast_act(x32, "silu") and not _fast_act(x16, "silu")  # CPU: interpreter
+    if CUDA:
+        assert _fast_act(x16.cuda(), "silu") and _fast_act(x16.cuda(), "gelu_tanh")
+        assert not _fast_act(x32.cuda(), "silu") and not _fast_act(x16.cuda(), "gelu")
+
+
+@triton.jit
+def _apply_activation(X, Y, G, N, ACTIVATION: tl.constexpr, FAST: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """X <- act(X), G <- act'(X), Y <- the difference of the two helpers' act."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < N)
+    y, g = _act_and_grad(x, ACTIVATION, FAST)
+    tl.store(Y + offs, _act(x, ACTIVATION, FAST) - y, mask=offs < N)
+    tl.store(G + offs, g, mask=offs < N)
+    tl.store(X + offs, y, mask=offs < N)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (inline PTX tanh.approx)")
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_fast_sigmoid_activation_and_gradient(activation):
+    """The hardware-tanh path of act and act' against the exact one, pointwise over [-30, 30]."""
+    x = torch.linspace(-30, 30, 60001, device=DEVICE)
+    out = {}
+    for fast in (False, True):
+        xs, y_diff, g = x.clone(), torch.empty_like(x), torch.empty_like(x)
+        _apply_activation[(triton.cdiv(x.numel(), 1024),)](
+            xs, y_diff, g, x.numel(), ACTIVATION_CODES[activation], fast, BLOCK=1024)
+        # the two helpers' act agree up to rounding (FMA contraction may differ between them)
+        assert bool((y_diff.abs() <= 1e-6 * (1 + x.abs())).all())
+        out[fast] = xs, g
+    if activation == "silu":
+        want = torch.nn.functional.silu(x.double())
+    else:
+        want = torch.nn.functional.gelu(x.double(), approximate="tanh")
+    assert float((out[False][0] - want).abs().max()) <= 1e-5 * 30
+    # tanh.approx: |error| ~ 2^-11 on the sigmoid, times |x| in act and up to |dg/ds| in act'
+    bound = 1e-3 * (1 + x.abs())
+    assert bool(((out[True][0] - out[False][0]).abs() <= bound).all())
+    g_bound = 4 * bound if activation == "silu" else bound * (1 + x.abs()) ** 2
+    assert bool(((out[True][1] - out[False][1]).abs() <= g_bound).all())
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (bf16 and the hardware-tanh path)")
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_bf16_fast_activations_full_and_windowed(activation):
+    lengths = [0, 1, 17, 300, 129, 700]
+    check_parity(lengths, activation=activation, H=4, D=128, Dv=128, dtype=torch.bfloat16)
+    check_parity(lengths, activation=activation, causal=True, window=(64, 0), H=4, D=128, Dv=128,
+                 dtype=torch.bfloat16)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
