@@ -13,7 +13,7 @@ __all__ = ["ACTIVATIONS", "BACKENDS", "jagged_attention", "make_attention"]
 
 def jagged_attention(q, k, v, offsets, *, kv_offsets=None, activation="softmax", causal=False,
                      scale=None, norm=None, num_targets=None, window=None, max_seqlen=None,
-                     backend="auto") -> torch.Tensor:
+                     backend="auto", validate=True) -> torch.Tensor:
     """Attention over jagged sequences, no padding.
 
     q: (Tq, H, Dqk), k: (Tk, H, Dqk), v: (Tk, H, Dv) in float32, float16 or bfloat16;
@@ -27,6 +27,8 @@ def jagged_attention(q, k, v, offsets, *, kv_offsets=None, activation="softmax",
     and itself. window: (left, right) in tokens, None or negative = unbounded. scale defaults to
     1/sqrt(Dqk); norm (non-softmax only) to max_seqlen, which defaults to the longest q or kv
     sequence. backend: "auto" (triton on CUDA, reference elsewhere), "triton" or "reference".
+    validate=False (with max_seqlen given) skips the checks of the offsets' values, which cost one
+    host sync per call; for callers whose offsets are valid by construction (gemcore's model).
     Returns (Tq, H, Dv) in q's dtype. Bad input raises ValueError naming the argument.
     """
     check_static(q, k, v, offsets, kv_offsets, activation, causal, scale, norm, num_targets,
@@ -38,7 +40,8 @@ def jagged_attention(q, k, v, offsets, *, kv_offsets=None, activation="softmax",
 
         return jagged_attention_triton.jagged_attention_triton(
             q, k, v, offsets, kv_offsets=kv_offsets, activation=activation, causal=causal,
-            scale=scale, norm=norm, num_targets=num_targets, window=window, max_seqlen=max_seqlen)
+            scale=scale, norm=norm, num_targets=num_targets, window=window, max_seqlen=max_seqlen,
+            validate=validate)
     resolved = check_values(q, k, offsets, kv_offsets, num_targets,
                             -1 if max_seqlen is None else max_seqlen)
     return jagged_attention_reference(
@@ -51,7 +54,9 @@ def make_attention(config: Any, backend: str = "auto", activation: str | None = 
 
     ``activation`` overrides ``config.activation``; ``config.scale`` / ``config.norm`` of 0 mean
     the defaults (1/sqrt(head_dim), max_seqlen). The callable is
-    ``attend(q, k, v, offsets, *, causal=True, num_targets=None, max_seqlen=None)``.
+    ``attend(q, k, v, offsets, *, causal=True, num_targets=None, max_seqlen=None)``. When the
+    caller gives ``max_seqlen`` (the model does, from the collated batch), the offsets are trusted
+    and the per-call host sync of the value checks is skipped.
     """
     act = activation or config.activation
     scale = config.scale or None
@@ -64,6 +69,6 @@ def make_attention(config: Any, backend: str = "auto", activation: str | None = 
     def attend(q, k, v, offsets, *, causal=True, num_targets=None, max_seqlen=None):
         return jagged_attention(q, k, v, offsets, activation=act, causal=causal, scale=scale,
                                 norm=norm, num_targets=num_targets, max_seqlen=max_seqlen,
-                                backend=backend)
+                                backend=backend, validate=max_seqlen is None)
 
     return attend

@@ -179,10 +179,14 @@ def jagged_attention_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: Optional[torch.Tensor],
     kv_offsets: Optional[torch.Tensor], num_targets: Optional[torch.Tensor], activation: str,
     causal: bool, scale: float, norm: float, window_left: int, window_right: int,
-    max_seqlen: int,
+    max_seqlen: int, validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (out, lse2, max_seqlen as a 0-d int64 tensor, resolved from the offsets if < 0)."""
-    max_seqlen = check_values(q, k, offsets, kv_offsets, num_targets, max_seqlen)
+    """Returns (out, lse2, max_seqlen as a 0-d int64 tensor, resolved from the offsets if < 0).
+
+    ``validate=False`` with ``max_seqlen >= 0`` skips the value checks and their host sync.
+    """
+    if validate or max_seqlen < 0:
+        max_seqlen = check_values(q, k, offsets, kv_offsets, num_targets, max_seqlen)
     out, lse2 = _fwd(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, norm,
                      window_left, window_right, max_seqlen)
     return out, lse2, torch.tensor(max_seqlen, dtype=torch.int64)
@@ -190,7 +194,7 @@ def jagged_attention_fwd_op(
 
 @jagged_attention_fwd_op.register_fake
 def _(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, norm, window_left,
-      window_right, max_seqlen):
+      window_right, max_seqlen, validate=True):
     H, dv = q.shape[1], v.shape[2]
     if offsets is None:
         rows = (kv_offsets.shape[0] - 1) * q.shape[0]
@@ -221,7 +225,7 @@ def _(do, q, k, v, out, lse2, offsets, kv_offsets, num_targets, activation, caus
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, norm, window_left,
-     window_right, _max_seqlen) = inputs
+     window_right, _max_seqlen, *_validate) = inputs
     out, lse2, max_seqlen = output
     ctx.save_for_backward(q, k, v, out, lse2, offsets, kv_offsets, num_targets, max_seqlen)
     ctx.static = (activation, causal, scale, norm, window_left, window_right)
@@ -233,7 +237,7 @@ def _backward(ctx, dout, _dlse2, _dmax):
     dq, dk, dv = jagged_attention_bwd_op(
         dout, q, k, v, out, lse2, offsets, kv_offsets, num_targets, activation, causal, scale,
         norm, window_left, window_right, max_seqlen)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("gemcore::jagged_attention_fwd", _backward,
@@ -242,7 +246,7 @@ torch.library.register_autograd("gemcore::jagged_attention_fwd", _backward,
 
 def jagged_attention_triton(q, k, v, offsets, *, kv_offsets=None, activation="softmax",
                             causal=False, scale=None, norm=None, num_targets=None, window=None,
-                            max_seqlen=None):
+                            max_seqlen=None, validate=True):
     """Triton backend of :func:`gemcore.kernels.jagged_attention` (static checks already done)."""
     from gemcore.kernels.jagged_attention_reference import window_bounds
 
@@ -252,7 +256,7 @@ def jagged_attention_triton(q, k, v, offsets, *, kv_offsets=None, activation="so
     out, _, _ = jagged_attention_fwd_op(
         q, k, v, offsets, kv_offsets, num_targets, activation, bool(causal), scale,
         float(norm) if norm is not None else 0.0, left, right,
-        -1 if max_seqlen is None else int(max_seqlen))
+        -1 if max_seqlen is None else int(max_seqlen), bool(validate))
     if offsets is None:
         return out.view(kv_offsets.shape[0] - 1, q.shape[0], q.shape[1], v.shape[2])
     return out
