@@ -1,7 +1,7 @@
 """Backend ``ce``: copy-engine collectives over CUDA IPC (an emulation of NCCLX's SM-free path).
 
 Each rank owns one registered buffer, its *window* (``cudaMalloc``, reused and grown collectively
-when a call needs more), and two inter-process events, ``ready`` and ``done``. At set-up the ranks
+when a call needs more), and inter-process events ``ready`` and ``done``. At set-up the ranks
 exchange the windows' and events' IPC handles through the *delegate* backend (``mpi`` or
 ``torch``) and open each other's. all_gather, all_to_all(-v) and broadcast then run as:
 
@@ -14,12 +14,33 @@ exchange the windows' and events' IPC handles through the *delegate* backend (``
 4. host barrier, then the caller's stream waits on every peer's ``done`` (nobody reads this
    rank's window any more, so the input and window may be reused).
 
+That is ``sync="barrier"``: two host barriers per call. ``sync="event"`` needs one: the window
+and the events come in two *slots* used by alternate calls (call k uses slot k % 2), and step 4
+becomes, at the start of call k, "the caller's stream waits on every peer's ``done`` of this slot"
+(recorded in call k-2). Why that is enough, with an IPC event wait seeing the most recent record
+issued before it:
+
+* ``ready[s]`` of call k is recorded before barrier k and waited on after it; its next record
+  (call k+2) comes after barrier k+1, which the waiting peer enters only after its wait.
+* ``done[s]`` of call k-2 was recorded before barrier k-1 (every rank records it before leaving
+  call k-2) and is waited on in call k before barrier k; its next record (call k) comes after
+  barrier k, which the waiting rank has not entered yet.
+* nobody writes slot s of call k before every peer finished reading slot s of call k-2; slot
+  1-s (call k-1) may still be read while call k runs, and nobody writes it during call k.
+
+A tensor from :meth:`window` lives in the slot of the next call, and ``window()`` makes the
+caller's stream wait for the peers' last reads of that slot, so filling it is safe; with
+``sync="event"``, fill a fresh ``window()`` tensor for each call (one kept from an earlier call
+still works, through a staging copy, but may be rewritten while a peer reads it).
+
 No kernel moves data: the copies are ``cudaMemcpyAsync`` calls, which cross a copy engine
 between GPUs (NVLink/PCIe peer copies). Two ranks sharing one GPU also work (IPC handles open
 between processes of one device), but a same-device copy may run on SMs, so that case proves
-correctness, not SM-freedom. Reductions (all_reduce, reduce_scatter), CPU tensors, and groups
-that span several nodes go to the delegate backend. The host is never blocked on the GPU except
-by the barriers' host-side handshakes.
+correctness, not SM-freedom. Reductions (all_reduce, reduce_scatter) and CPU tensors go to the
+delegate backend. A group spanning several nodes gathers hierarchically (the inter-node step
+through the delegate, then the intra-node step with the copy engine: comms/hierarchy.py) when
+its nodes hold equal numbers of ranks; its other collectives go to the delegate. The host is
+never blocked on the GPU except by the barriers' host-side handshakes.
 """
 from __future__ import annotations
 
@@ -29,12 +50,14 @@ from typing import Any
 import torch
 
 from gemcore.comms.base import DEFAULT_TIMEOUT_S, Communicator
+from gemcore.comms.hierarchy import Layout, node_layout
 from gemcore.comms.launch import detect
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault (unified addressing decides the direction)
 _EVENT_FLAGS = 0x2 | 0x4  # cudaEventDisableTiming | cudaEventInterprocess
 _IPC_LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
 _MIN_WINDOW = 1 << 20
+SYNC_MODES = ("barrier", "event")
 
 
 def import_cupy():
@@ -72,8 +95,15 @@ class CopyEngineCommunicator(Communicator):
     backend = "ce"
 
     def __init__(self, *, timeout_s: float | None = DEFAULT_TIMEOUT_S, check: bool = True,
-                 delegate: str | Communicator | None = None, window_bytes: int | str = 64 << 20) -> None:
+                 delegate: str | Communicator | None = None, window_bytes: int | str = 64 << 20,
+                 sync: str = "barrier") -> None:
         super().__init__(timeout_s=timeout_s, check=check)
+        if sync not in SYNC_MODES:
+            raise ValueError(f"sync must be one of {', '.join(map(repr, SYNC_MODES))}, got {sync!r}")
+        #: "barrier": two host barriers per call; "event": one, with two alternating window slots
+        self.sync = sync
+        self._slots = 2 if sync == "event" else 1
+        self._calls = 0
         if not torch.cuda.is_available():
             raise RuntimeError("backend 'ce' needs a CUDA GPU (copy-engine collectives over CUDA IPC)")
         self.cupy = import_cupy()
@@ -97,6 +127,9 @@ class CopyEngineCommunicator(Communicator):
         self._events: dict[str, int] = {}
         self._peer_events: dict[str, list[int]] = {}
         self._streams: list[torch.cuda.Stream] = []
+        #: several nodes: (layout, intra-node ce communicator, inter-node delegate), made on first use
+        self._hier: tuple[Layout, Communicator, Communicator] | None = None
+        self._hier_tried = False
         if self.intra_node and self.world_size > 1:
             with self.cupy.cuda.Device(self.device.index):
                 self._open_events()
@@ -104,7 +137,8 @@ class CopyEngineCommunicator(Communicator):
                 self._streams = [torch.cuda.Stream(self.device) for _ in range(self.world_size)]
 
     def describe(self) -> str:
-        path = "copy engine" if self.intra_node else "delegate only (several nodes)"
+        path = (f"copy engine, sync {self.sync}" if self.intra_node else
+                "several nodes: all_gather hierarchical (delegate across nodes, copy engine within)")
         return f"{super().describe()}, {path}, delegate {self.delegate.backend}"
 
     # ------------------------------------------------------------------ registration
@@ -114,7 +148,7 @@ class CopyEngineCommunicator(Communicator):
         return [bytes(r.tolist()) for r in rows]
 
     def _open_events(self) -> None:
-        for name in ("ready", "done"):
+        for name in [f"{kind}{slot}" for slot in range(self._slots) for kind in ("ready", "done")]:
             event = self.rt.eventCreateWithFlags(_EVENT_FLAGS)
             self._events[name] = event
             handles = self._gather_bytes(self.rt.ipcGetEventHandle(event))
@@ -129,8 +163,8 @@ class CopyEngineCommunicator(Communicator):
         torch.cuda.synchronize(self.device)
         self.delegate._barrier_impl()  # nobody still reads the old windows
         self._close_windows()
-        self._window = self.rt.malloc(nbytes)
-        self._capacity = nbytes
+        self._window = self.rt.malloc(nbytes * self._slots)
+        self._capacity = nbytes  # per slot
         handles = self._gather_bytes(self.rt.ipcGetMemHandle(self._window))
         self._peer_windows = [self._window if r == self.rank else
                               self.rt.ipcOpenMemHandle(h, _IPC_LAZY_PEER_ACCESS) for r, h in enumerate(handles)]
@@ -144,16 +178,55 @@ class CopyEngineCommunicator(Communicator):
         self._peer_windows, self._window, self._capacity = [], 0, 0
 
     def window(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        """A tensor in this rank's registered window (collective: every rank calls it with the same
-        size). Passing it to all_gather / all_to_all / broadcast skips the staging copy. Its contents
-        stay valid until the next ce collective of this communicator."""
+        """A tensor in this rank's registered window, in the slot the next ce collective uses
+        (collective: every rank calls it with the same size). Passing it to the next all_gather /
+        all_to_all / broadcast skips the staging copy. Its contents stay valid until the next ce
+        collective of this communicator; take a fresh one for each call."""
         numel = math.prod(shape)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         if not (self.intra_node and self.world_size > 1):
             return torch.empty(shape, dtype=dtype, device=self.device)
         self._grow(nbytes)
-        raw = torch.as_tensor(_CudaArray(self._window, max(nbytes, 1)), device=self.device)
+        slot = self._calls % self._slots
+        if self.sync == "event":  # the caller's writes wait for the peers' reads of this slot
+            self._wait_peers(f"done{slot}", self._current())
+        return self._window_tensor(self._slot_ptr(self._window, slot), nbytes, shape, dtype)
+
+    def _window_tensor(self, ptr: int, nbytes: int, shape, dtype: torch.dtype) -> torch.Tensor:
+        raw = torch.as_tensor(_CudaArray(ptr, max(nbytes, 1)), device=self.device)
         return raw[:nbytes].view(dtype).view(shape)
+
+    def _slot_ptr(self, base: int, slot: int) -> int:
+        return base + slot * self._capacity
+
+    def _wait_peers(self, event: str, stream) -> None:
+        for peer in range(self.world_size):
+            if peer != self.rank:
+                self._wait(stream, peer, event)
+
+    # ------------------------------------------------------------------ stream primitives
+    # The protocol below is written with these six only, so that a simulated runtime (the tests'
+    # happens-before checker) can run it on CPU.
+    def _current(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def _record(self, event: str, stream) -> None:
+        """Record this rank's IPC event ``event`` on ``stream``."""
+        self.rt.eventRecord(self._events[event], stream.cuda_stream)
+
+    def _wait(self, stream, peer: int, event: str) -> None:
+        """``stream`` waits for the most recent record of ``peer``'s event ``event``."""
+        self.rt.streamWaitEvent(stream.cuda_stream, self._peer_events[event][peer], 0)
+
+    def _copy(self, dst: int, src: int, nbytes: int, stream) -> None:
+        self.rt.memcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream.cuda_stream)
+
+    def _follow(self, stream, other) -> None:
+        """``stream``'s later work waits for the work queued on ``other`` so far."""
+        stream.wait_stream(other)
+
+    def _host_barrier(self) -> None:
+        self.delegate._barrier_impl()
 
     # ------------------------------------------------------------------ the copy-engine protocol
     def _use_ce(self, t: torch.Tensor) -> bool:
@@ -167,36 +240,67 @@ class CopyEngineCommunicator(Communicator):
         :param src_ranks_stage: whether this rank copies ``t`` into its window (step 1).
         """
         self._grow(window_bytes)
-        current = torch.cuda.current_stream(self.device)
-        cur = current.cuda_stream
-        rt = self.rt
-        if src_ranks_stage and t.numel() and t.data_ptr() != self._window:
-            rt.memcpyAsync(self._window, t.data_ptr(), t.numel() * t.element_size(), _MEMCPY_DEFAULT, cur)
-        rt.eventRecord(self._events["ready"], cur)
-        self.delegate._barrier_impl()
-        start = torch.cuda.Event()
-        start.record(current)
-        joins = []
-        for peer, offset, dst, nbytes in pulls:
-            if not nbytes:
-                continue
+        slot = self._calls % self._slots
+        self._calls += 1
+        ready, done = f"ready{slot}", f"done{slot}"
+        cur = self._current()
+        mine = self._slot_ptr(self._window, slot)
+        if self.sync == "event":  # step 4 of call k-2: the peers have finished reading this slot
+            self._wait_peers(done, cur)
+        if src_ranks_stage and t.numel() and t.data_ptr() != mine:
+            self._copy(mine, t.data_ptr(), t.numel() * t.element_size(), cur)
+        self._record(ready, cur)
+        self._host_barrier()
+        active = [pull for pull in pulls if pull[3]]
+        for peer, offset, dst, nbytes in active:
             stream = self._streams[peer]
-            stream.wait_event(start)
-            rt.streamWaitEvent(stream.cuda_stream, self._peer_events["ready"][peer], 0)
-            rt.memcpyAsync(dst, self._peer_windows[peer] + offset, nbytes, _MEMCPY_DEFAULT, stream.cuda_stream)
-            joined = torch.cuda.Event()
-            joined.record(stream)
-            joins.append(joined)
-        for joined in joins:
-            current.wait_event(joined)
-        rt.eventRecord(self._events["done"], cur)
-        self.delegate._barrier_impl()
-        for peer in range(self.world_size):
-            if peer != self.rank:
-                rt.streamWaitEvent(cur, self._peer_events["done"][peer], 0)
+            self._follow(stream, cur)  # the result buffer was allocated on cur
+            self._wait(stream, peer, ready)
+            self._copy(dst, self._slot_ptr(self._peer_windows[peer], slot) + offset, nbytes, stream)
+        for peer, *_ in active:
+            self._follow(cur, self._streams[peer])
+        self._record(done, cur)
+        if self.sync == "barrier":
+            self._host_barrier()
+            self._wait_peers(done, cur)
+
+    # ------------------------------------------------------------------ several nodes
+    def _hierarchy(self) -> tuple[Layout, Communicator, Communicator] | None:
+        """The intra-node ce and inter-node delegate communicators (collective on first call:
+        every rank reaches it through the same CUDA all_gather); None when the nodes hold
+        different numbers of ranks."""
+        if not self._hier_tried:
+            self._hier_tried = True
+            layout = node_layout(self.peers)
+            if layout is not None:
+                intra = self.delegate._split_impl([list(g) for g in layout.intra], layout.intra_index(self.rank))
+                inter = self.delegate._split_impl([list(g) for g in layout.inter], layout.inter_index(self.rank))
+                ce = CopyEngineCommunicator(timeout_s=self.timeout_s, check=False, delegate=intra,
+                                            window_bytes=_MIN_WINDOW, sync=self.sync)
+                self._hier = (layout, ce, inter)
+        return self._hier
+
+    def _hierarchical_all_gather(self, t: torch.Tensor) -> torch.Tensor | None:
+        """Inter-node delegate all_gather, then intra-node copy-engine all_gather of the result
+        (comms/hierarchy.py); None when the layout does not allow it."""
+        hier = self._hierarchy()
+        if hier is None:
+            return None
+        layout, intra, inter = hier
+        across = inter._all_gather_impl(t)  # the i-th rank of every node: num_nodes chunks
+        gathered = intra._all_gather_impl(across)  # the node's ranks: local_size * num_nodes chunks
+        if layout.in_rank_order:
+            return gathered
+        chunks = gathered.view(self.world_size, *t.shape)
+        order = torch.tensor(layout.position, dtype=torch.long, device=t.device)
+        return chunks.index_select(0, order).reshape(self.world_size * t.shape[0], *t.shape[1:])
 
     # ------------------------------------------------------------------ collectives
     def _all_gather_impl(self, t: torch.Tensor) -> torch.Tensor:
+        if t.is_cuda and not self.intra_node:
+            out = self._hierarchical_all_gather(t)
+            if out is not None:
+                return out
         if not self._use_ce(t):
             return self.delegate._all_gather_impl(t)
         out = t.new_empty((self.world_size * t.shape[0], *t.shape[1:]))
@@ -243,9 +347,14 @@ class CopyEngineCommunicator(Communicator):
     def _split_impl(self, groups: list[list[int]], index: int) -> Communicator:
         sub = self.delegate._split_impl(groups, index)
         return CopyEngineCommunicator(timeout_s=self.timeout_s, check=self.check, delegate=sub,
-                                      window_bytes=_MIN_WINDOW)
+                                      window_bytes=_MIN_WINDOW, sync=self.sync)
 
     def _finalize_impl(self) -> None:
+        if self._hier is not None:
+            _, intra, inter = self._hier
+            intra._finalize_impl()
+            inter._finalize_impl()
+            self._hier = None
         if self._window:
             torch.cuda.synchronize(self.device)
             self.delegate._barrier_impl()
@@ -260,4 +369,5 @@ class CopyEngineCommunicator(Communicator):
 
     def stats(self) -> dict[str, Any]:
         """Window size and path, for logs and benchmarks."""
-        return {"window_bytes": self._capacity, "intra_node": self.intra_node, "delegate": self.delegate.backend}
+        return {"window_bytes": self._capacity, "slots": self._slots, "sync": self.sync,
+                "intra_node": self.intra_node, "delegate": self.delegate.backend}

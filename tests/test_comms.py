@@ -169,9 +169,9 @@ def test_bench_parse_bytes(text, want):
 
 
 def test_bench_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="--min-bytes"):
-        bench.parse_bytes("lots", "--min-bytes")
-    with pytest.raises(ValueError, match="--min-bytes"):
+    with pytest.raises(ValueError, match="--min"):
+        bench.parse_bytes("lots", "--min")
+    with pytest.raises(ValueError, match="--min"):
         bench.sizes(2048, 1024)
     with pytest.raises(ValueError, match="op"):
         bench.bus_factor("gather", 2)
@@ -188,7 +188,7 @@ def test_bench_rows_world_one(capsys):
     import argparse
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
-    args = p.parse_args(["--backend", "single", "--op", "all", "--min-bytes", "1K", "--max-bytes", "4K",
+    args = p.parse_args(["--backend", "single", "--op", "all", "--min", "1K", "--max", "4K",
                          "--iters", "2", "--warmup", "0", "--device", "cpu", "--json"])
     assert bench.run(args) == 0
     import json

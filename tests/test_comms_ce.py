@@ -1,6 +1,7 @@
 """The copy-engine backend on a GPU: several processes sharing the node's GPU(s) run the
 conformance suite (every SM-free op against values computed locally, plus delegated reductions),
-with the mpi backend as delegate. Skipped without a CUDA GPU, CuPy or mpirun."""
+with the mpi backend as delegate, in both synchronisation modes, and on two simulated nodes
+(hierarchical all_gather). Skipped without a CUDA GPU, CuPy or mpirun."""
 from __future__ import annotations
 
 import importlib.util
@@ -28,15 +29,26 @@ def _mpirun() -> str:
     return "mpirun"
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_ce_conformance_on_one_node(n):
+def _run(n: int, *args: str) -> None:
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
     cmd = [_mpirun(), "-n", str(n), "--oversubscribe", sys.executable, "-m", "gemcore.comms.conformance",
-           "--backend", "ce", "--device", "cuda", "--option", "delegate=mpi",
-           "--dtypes", "float32,bfloat16,int64,bool"] + (["--large"] if n == 2 else [])
+           "--backend", "ce", "--device", "cuda", "--option", "delegate=mpi", *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     for rank in range(n):
         assert f"[rank {rank}] OK ce " in proc.stdout, out[-6000:]
+
+
+@pytest.mark.parametrize("sync", ["barrier", "event"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_ce_conformance_on_one_node(n, sync):
+    """Both synchronisations: two host barriers per call, or one with two window slots."""
+    _run(n, "--option", f"sync={sync}", "--dtypes", "float32,bfloat16,int64,bool", *(["--large"] if n == 2 else []))
+
+
+@pytest.mark.parametrize("sync", ["barrier", "event"])
+def test_ce_hierarchical_on_two_simulated_nodes(sync):
+    """4 ranks on 2 simulated nodes: all_gather = inter-node delegate + intra-node copy engine."""
+    _run(4, "--option", f"sync={sync}", "--nodes", "2", "--dtypes", "float32,bfloat16")

@@ -1,6 +1,7 @@
 """collective bandwidth in the nccl-tests format (size, count, type, time, algbw, busbw)
 
-    mpirun -n 4 gem bench comms --backend mpi --op all_gather --min-bytes 1K --max-bytes 64M
+    mpirun -n 4 gem bench comms --backend mpi --op all_gather --min 1K --max 64M
+    mpirun -n 2 gem bench comms --backend ce --op all_gather,broadcast --min 1M --max 1G --overlap-gemm
     torchrun --nproc-per-node 8 -m gemcore.cli.main bench comms --backend torch --op all_reduce --json
 
 Run one process per GPU (or per CPU rank). Definitions follow nccl-tests: ``size`` is the bytes of
@@ -9,6 +10,14 @@ rank's send buffer; all_reduce and broadcast: the tensor), ``algbw = size / time
 GB = 1e9 bytes, and ``busbw = algbw * factor`` with factor (n-1)/n for all_gather,
 reduce_scatter and all_to_all, 2(n-1)/n for all_reduce and 1 for broadcast. ``time`` is the mean
 over ``--iters`` calls after ``--warmup``, the slowest rank's (max over ranks).
+
+``--overlap-gemm`` (CUDA) adds the SM-interference figure per size: a loop of bf16 GEMMs
+(``--gemm-n``³, ``--gemm-iters`` of them) on another stream, its TFLOP/s alone (once, before the
+sizes) and while the collective is called back to back (enough calls to outlast the loop), and
+``cover``: the share of the GEMM loop during which the collective's stream was busy. The GEMM runs
+on the first rank of each GPU only (ranks sharing a GPU would otherwise compete with each other's
+GEMMs); the figures are the worst (min) over those ranks. The one-GPU copy-engine demonstration
+(device -> host vs same-device copies) is ``python -m gemcore.bench.comms_overlap``.
 """
 from __future__ import annotations
 
@@ -18,9 +27,12 @@ import re
 import sys
 import time
 from dataclasses import asdict, dataclass
+import math
 from typing import Callable
 
 import torch
+
+from gemcore.bench.comms_overlap import GemmLoop, check_gemm_args, coverage, slowdown_pct
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -49,7 +61,7 @@ def bus_factor(op: str, n: int) -> float:
 
 def sizes(min_bytes: int, max_bytes: int, factor: int = 2) -> list[int]:
     if min_bytes < 1 or max_bytes < min_bytes:
-        raise ValueError(f"--min-bytes ({min_bytes}) must be >= 1 and <= --max-bytes ({max_bytes})")
+        raise ValueError(f"--min ({min_bytes}) must be >= 1 and <= --max ({max_bytes})")
     if factor < 2:
         raise ValueError(f"--step-factor must be >= 2, got {factor}")
     out, s = [], min_bytes
@@ -73,6 +85,11 @@ class Row:
     ranks: int
     backend: str
     checked: bool
+    #: --overlap-gemm only: GEMM TFLOP/s alone and during the collective, slowdown %, cover (0..1)
+    gemm_alone_tflops: float | None = None
+    gemm_during_tflops: float | None = None
+    gemm_slowdown_pct: float | None = None
+    gemm_cover: float | None = None
 
 
 @dataclass
@@ -141,9 +158,54 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def calls_to_cover(loop_s: float, call_s: float, margin: float = 2.0, max_calls: int = 100_000) -> int:
+    """Collective calls to issue so that they outlast a GEMM loop of ``loop_s`` seconds, given one
+    call takes ``call_s`` alone (``margin`` allows for both slowing down when they overlap)."""
+    if not loop_s > 0 or not call_s > 0:
+        raise ValueError(f"loop_s and call_s must be positive, got {loop_s} and {call_s}")
+    return max(2, min(max_calls, math.ceil(margin * loop_s / call_s) + 1))
+
+
+def gemm_ranks_loop(comm, device: torch.device, n: int, iters: int) -> tuple[GemmLoop | None, float, float]:
+    """(this rank's GEMM loop or None, TFLOP/s alone (min over GEMM ranks), loop seconds (max)).
+
+    The first rank on each GPU runs the GEMM; the others only communicate."""
+    gemm = GemmLoop(device, n, iters) if comm.local_rank < torch.cuda.device_count() else None
+    alone = gemm.alone() if gemm else math.inf
+    loop_s = gemm.iters * 2.0 * n ** 3 / (alone * 1e12) if gemm else 0.0
+    alone = float(comm.all_reduce(torch.tensor([alone], dtype=torch.float64), op="min")[0])
+    loop_s = float(comm.all_reduce(torch.tensor([loop_s], dtype=torch.float64), op="max")[0])
+    return gemm, alone, loop_s
+
+
+def overlap_case(comm, case: Case, calls: int, gemm: GemmLoop | None, device: torch.device) -> tuple[float, float]:
+    """(GEMM TFLOP/s, cover) while ``calls`` calls of ``case`` run; the min over GEMM ranks."""
+    _sync(device)
+    comm.barrier()
+    current = torch.cuda.current_stream(device)
+    ref, first, last = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    ref.record(current)
+    first.record(current)
+    if gemm is not None:
+        gemm.enqueue()
+    for _ in range(calls):
+        case.call()
+    last.record(current)
+    _sync(device)
+    during, cover = math.inf, math.inf
+    if gemm is not None:
+        during = gemm.tflops()
+        loop = (ref.elapsed_time(gemm.start), ref.elapsed_time(gemm.end))
+        cover = coverage(loop, (ref.elapsed_time(first), ref.elapsed_time(last)))
+    worst = comm.all_reduce(torch.tensor([during, cover], dtype=torch.float64), op="min")
+    return float(worst[0]), float(worst[1])
+
+
 def measure(comm, ops: list[str], byte_sizes: list[int], dtype_name: str, device: torch.device,
-            warmup: int, iters: int, check: bool) -> list[Row]:
+            warmup: int, iters: int, check: bool, overlap: tuple[int, int] | None = None) -> list[Row]:
+    """Rows for every op and size; ``overlap=(gemm_n, gemm_iters)`` adds the GEMM columns (CUDA)."""
     rows = []
+    gemm, alone, loop_s = gemm_ranks_loop(comm, device, *overlap) if overlap else (None, 0.0, 0.0)
     for op in ops:
         for size in byte_sizes:
             case = make_case(comm, op, size, DTYPES[dtype_name], device)
@@ -153,8 +215,13 @@ def measure(comm, ops: list[str], byte_sizes: list[int], dtype_name: str, device
                 raise RuntimeError(f"[rank {comm.rank}] {comm.backend} {op} at {size} bytes gave a wrong result")
             seconds = time_case(comm, case, warmup, iters, device)
             algbw = case.size_bytes / seconds / 1e9
-            rows.append(Row(op, case.size_bytes, case.count, dtype_name, seconds * 1e6, algbw,
-                            algbw * bus_factor(op, comm.world_size), comm.world_size, comm.backend, check))
+            row = Row(op, case.size_bytes, case.count, dtype_name, seconds * 1e6, algbw,
+                      algbw * bus_factor(op, comm.world_size), comm.world_size, comm.backend, check)
+            if overlap:
+                during, cover = overlap_case(comm, case, calls_to_cover(loop_s, seconds), gemm, device)
+                row.gemm_alone_tflops, row.gemm_during_tflops, row.gemm_cover = alone, during, cover
+                row.gemm_slowdown_pct = slowdown_pct(alone, during)
+            rows.append(row)
     return rows
 
 
@@ -163,20 +230,28 @@ def format_table(rows: list[Row]) -> str:
     for op in dict.fromkeys(r.op for r in rows):
         mine = [r for r in rows if r.op == op]
         lines.append(f"# {op}, backend {mine[0].backend}, {mine[0].ranks} ranks")
+        gemm = mine[0].gemm_alone_tflops is not None
         lines.append(f"# {'size(B)':>12} {'count':>12} {'type':>9} {'time(us)':>10} "
-                     f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11}")
+                     f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11}"
+                     + (f" {'gemm alone':>10} {'gemm during':>11} {'slowdown%':>9} {'cover%':>6}" if gemm else ""))
         for r in mine:
-            lines.append(f"  {r.size_bytes:>12} {r.count:>12} {r.dtype:>9} {r.time_us:>10.1f} "
-                         f"{r.algbw_gbs:>11.3f} {r.busbw_gbs:>11.3f}")
+            line = (f"  {r.size_bytes:>12} {r.count:>12} {r.dtype:>9} {r.time_us:>10.1f} "
+                    f"{r.algbw_gbs:>11.3f} {r.busbw_gbs:>11.3f}")
+            if gemm:
+                line += (f" {r.gemm_alone_tflops:>10.1f} {r.gemm_during_tflops:>11.1f} "
+                         f"{r.gemm_slowdown_pct:>9.2f} {100 * r.gemm_cover:>6.1f}")
+            lines.append(line)
+        if gemm:
+            lines.append("#  gemm: bf16 TFLOP/s on the first rank of each GPU, alone and during back-to-back calls")
     return "\n".join(lines)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", help="communication backend (auto, torch, mpi, ce, ...)")
     p.add_argument("--op", default="all_gather",
-                   help=f"collective(s), comma-separated, or 'all': {', '.join(OPS)}")
-    p.add_argument("--min-bytes", "--min", dest="min_bytes", default="1K", help="smallest size (e.g. 1K)")
-    p.add_argument("--max-bytes", "--max", dest="max_bytes", default="64M", help="largest size (e.g. 1G)")
+                   help=f"collective(s), comma-separated, or 'all': {'|'.join(OPS)}")
+    p.add_argument("--min", "--min-bytes", dest="min_bytes", default="1K", help="smallest size (e.g. 1K)")
+    p.add_argument("--max", "--max-bytes", dest="max_bytes", default="64M", help="largest size (e.g. 1G)")
     p.add_argument("--step-factor", type=int, default=2, help="size multiplier between rows")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
@@ -187,6 +262,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-s", type=float, default=300.0)
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="backend option, e.g. delegate=mpi for ce")
+    p.add_argument("--overlap-gemm", action="store_true",
+                   help="also a bf16 GEMM loop on another stream: TFLOP/s alone and during the collective (CUDA)")
+    p.add_argument("--gemm-n", type=int, default=8192, help="--overlap-gemm: GEMM size n (n^3)")
+    p.add_argument("--gemm-iters", type=int, default=40, help="--overlap-gemm: GEMMs per measured loop")
     p.add_argument("--json", action="store_true", help="print one JSON list of rows instead of the table")
 
 
@@ -197,8 +276,14 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--op must be one of {', '.join(OPS)} or 'all', got {op!r}")
     if args.warmup < 0 or args.iters < 1:
         raise ValueError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
-    byte_sizes = sizes(parse_bytes(args.min_bytes, "--min-bytes"), parse_bytes(args.max_bytes, "--max-bytes"),
+    byte_sizes = sizes(parse_bytes(args.min_bytes, "--min"), parse_bytes(args.max_bytes, "--max"),
                        args.step_factor)
+    overlap = None
+    if getattr(args, "overlap_gemm", False):
+        check_gemm_args(args.gemm_n, args.gemm_iters)
+        if args.device == "cpu" or not torch.cuda.is_available():
+            raise ValueError("--overlap-gemm needs a CUDA GPU (--device cuda or auto with CUDA present)")
+        overlap = (args.gemm_n, args.gemm_iters)
     options = dict(kv.split("=", 1) for kv in args.option)
     from gemcore import comms
 
@@ -210,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
         if use_cuda:
             device = torch.device("cuda", comm.local_rank % torch.cuda.device_count())
             torch.cuda.set_device(device)
-        rows = measure(comm, ops, byte_sizes, args.dtype, device, args.warmup, args.iters, args.check)
+        rows = measure(comm, ops, byte_sizes, args.dtype, device, args.warmup, args.iters, args.check, overlap)
         if comm.rank == 0:
             if args.json:
                 print(json.dumps([asdict(r) for r in rows], indent=1))

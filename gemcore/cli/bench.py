@@ -9,6 +9,7 @@ BENCHMARKS = {
     "attention": "gemcore.bench.attention",
     "mx": "gemcore.bench.mx",
     "comms": "gemcore.bench.comms",
+    "comms_overlap": "gemcore.bench.comms_overlap",
     "bbs": "gemcore.bench.bbs",
     "train": "gemcore.bench.train",
 }
