@@ -76,13 +76,9 @@ def test_model_file_and_errors(tmp_path):
         load_model("no-such-preset")
 
 
-def test_length_law_matches_the_data_generator():
-    from gemcore.data.synthetic import history_lengths as data_lengths
-
-    for law in ("heavytail", "dense95", "uniform"):
-        a = history_lengths(law, 1000, 512, np.random.default_rng(3))
-        b = data_lengths(law, 1000, 512, np.random.default_rng(3))
-        assert np.array_equal(a, b)
+def test_unknown_length_law_names_the_key():
+    with pytest.raises(ValueError, match="model.length_law"):
+        history_lengths("zipf", 10, 64, np.random.default_rng(0))
 
 
 # ---------------------------------------------------------------------- cost formulas

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import json
-import textwrap
-import warnings
 from pathlib import Path
 
 import pluggy

@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
+
+from gemcore.bench.timing import median_ms
 
 WORKLOADS = ("dense95", "heavytail", "cross")
 ANCHORS = ("sdpa", "varlen", "flex", "nested")
@@ -63,21 +64,6 @@ def useful_fwd_flops(q_lens: torch.Tensor, kv_lens: torch.Tensor | None, H: int,
     return flops / 2 if causal else flops
 
 
-def _median_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def measure(name: str, forward: Callable[[], torch.Tensor], inputs, flops: float,
             iters: int) -> Row:
     """Time forward and forward+backward of ``forward()`` w.r.t. ``inputs``; peak memory of fwd+bwd."""
@@ -89,8 +75,8 @@ def measure(name: str, forward: Callable[[], torch.Tensor], inputs, flops: float
             torch.autograd.grad(forward(), inputs, grad)
 
         with torch.no_grad():
-            fwd_ms = _median_ms(forward, iters)
-        fwdbwd_ms = _median_ms(fwdbwd, iters)
+            fwd_ms = median_ms(forward, iters)
+        fwdbwd_ms = median_ms(fwdbwd, iters)
         del out
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -198,10 +184,10 @@ def tune(forward: Callable[[], torch.Tensor], inputs, head_dim: int, flops: floa
                 try:
                     if kernel == "fwd":
                         with torch.no_grad():
-                            ms = _median_ms(forward, 5, warmup=1)
+                            ms = median_ms(forward, 5, warmup=1)
                         tflops = flops / ms / 1e9
                     else:
-                        ms = _median_ms(lambda: torch.autograd.grad(forward(), inputs, grad), 5, warmup=1)
+                        ms = median_ms(lambda: torch.autograd.grad(forward(), inputs, grad), 5, warmup=1)
                         tflops = 3.5 * flops / ms / 1e9
                 except Exception as exc:  # a tile that does not fit this GPU
                     print(f"tune {kernel} {cand}: {type(exc).__name__}")

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import torch
+
+from gemcore.bench.timing import median_ms
 
 CAST_TILES = {
     "rows": [dict(BLOCK_R=16, NB=8, num_warps=8), dict(BLOCK_R=8, NB=8, num_warps=4),
@@ -55,28 +55,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip", default="", help="comma list of parts to skip: cast,gemm,shapes,linear")
 
 
-def _ms(fn: Callable[[], object], rep_ms: float = 200.0) -> float:
-    """Median of CUDA-event timings after warm-up (the same method as ANCHORS.md)."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        fn()
-    end.record()
-    end.synchronize()
-    iters = max(5, min(200, int(rep_ms / max(start.elapsed_time(end) / 3, 1e-3))))
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
-
-
 def _plain_cast(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The plain-PyTorch MX cast of the anchor (floor rule, e4m3, rows; not bit-exact at edges)."""
     blocks = x.float().reshape(x.shape[0], -1, 32)
@@ -105,13 +83,13 @@ def bench_cast(size: int, sweep: bool) -> list[Row]:
     one, both = n * (2 + 1 + 1 / 32), n * (2 + 2 + 2 / 32)
     rows = []
     dst = torch.empty_like(x)
-    copy_ms = _ms(lambda: dst.copy_(x))
+    copy_ms = median_ms(lambda: dst.copy_(x))
     copy_gbs = 2 * x.numel() * 2 / copy_ms / 1e6
     rows.append(Row("cast", "device-to-device copy (limit)", copy_ms, copy_gbs, "GB/s"))
-    rows.append(Row("cast", "plain PyTorch, eager", _ms(lambda: _plain_cast(x)), 0, "GB/s"))
+    rows.append(Row("cast", "plain PyTorch, eager", median_ms(lambda: _plain_cast(x)), 0, "GB/s"))
     try:
         compiled = torch.compile(_plain_cast)
-        rows.append(Row("cast", "plain PyTorch, torch.compile (anchor)", _ms(lambda: compiled(x)), 0, "GB/s"))
+        rows.append(Row("cast", "plain PyTorch, torch.compile (anchor)", median_ms(lambda: compiled(x)), 0, "GB/s"))
     except Exception as exc:  # noqa: BLE001 - report, keep benchmarking
         rows.append(Row("cast", "plain PyTorch, torch.compile (anchor)", float("nan"), 0, "GB/s",
                         note=f"failed: {type(exc).__name__}"))
@@ -126,7 +104,7 @@ def bench_cast(size: int, sweep: bool) -> list[Row]:
             fn = lambda: T.quantize_mx_triton(x, "e4m3", 32, axis, "rceil", soft_round=soft, tile=tile)
             try:
                 exact = _cast_exact(fn(), x, "e4m3", "rceil", axis)
-                ms = _ms(fn)
+                ms = median_ms(fn)
             except Exception as exc:  # noqa: BLE001
                 rows.append(Row("cast", f"triton {kind} {tile}", float("nan"), 0, "GB/s", note=repr(exc)[:80]))
                 continue
@@ -137,7 +115,7 @@ def bench_cast(size: int, sweep: bool) -> list[Row]:
         try:
             (rd, rs), (cd, cs) = fn()
             exact = _cast_exact((rd, rs), x, "e4m3", "rceil", 1) and _cast_exact((cd, cs), x, "e4m3", "rceil", 0)
-            ms = _ms(fn)
+            ms = median_ms(fn)
         except Exception as exc:  # noqa: BLE001
             rows.append(Row("cast", f"triton both {tile}", float("nan"), 0, "GB/s", note=repr(exc)[:80]))
             continue
@@ -161,11 +139,11 @@ def bench_gemm(M: int, K: int, N: int, sweep: bool, backends=("triton", "triton_
     a16 = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     w16 = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)  # weights (N, K): b = w.t()
     b16 = w16.t()
-    rows = [Row(group, "cuBLAS bf16 a @ b (anchor)", _ms(lambda: a16 @ b16), 0, "TFLOP/s")]
+    rows = [Row(group, "cuBLAS bf16 a @ b (anchor)", median_ms(lambda: a16 @ b16), 0, "TFLOP/s")]
     a8, w8 = a16.to(torch.float8_e4m3fn), w16.to(torch.float8_e4m3fn)
     one = torch.ones((), device="cuda")
     try:
-        ms = _ms(lambda: torch._scaled_mm(a8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+        ms = median_ms(lambda: torch._scaled_mm(a8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
         rows.append(Row(group, "torch._scaled_mm fp8, tensor-wise scale (ceiling)", ms, 0, "TFLOP/s"))
     except Exception as exc:  # noqa: BLE001
         rows.append(Row(group, "torch._scaled_mm fp8", float("nan"), 0, "TFLOP/s", note=repr(exc)[:80]))
@@ -188,7 +166,7 @@ def bench_gemm(M: int, K: int, N: int, sweep: bool, backends=("triton", "triton_
                 fn32 = lambda: mx_matmul_triton(a.data, a.scale, b.data, b.scale, torch.float32, kernel, tile)
             try:
                 exact = _gemm_exact(fn32(), want)
-                ms = _ms(fn)
+                ms = median_ms(fn)
             except Exception as exc:  # noqa: BLE001
                 rows.append(Row(group, f"mx {backend} {tile or ''}", float("nan"), 0, "TFLOP/s", note=repr(exc)[:100]))
                 continue
@@ -216,10 +194,10 @@ def bench_linear(tokens: int, K: int, N: int) -> list[Row]:
         return fn
 
     flops = 6.0 * tokens * K * N
-    base = _ms(step(lin))
+    base = median_ms(step(lin))
     rows = [Row(group, "nn.Linear bf16 autocast (anchor)", base, flops / base / 1e9, "TFLOP/s")]
     try:
-        ms = _ms(step(mxl))
+        ms = median_ms(step(mxl))
         rows.append(Row(group, "MXLinear (casts + 3 MX GEMMs)", ms, flops / ms / 1e9, "TFLOP/s", base / ms))
     except Exception as exc:  # noqa: BLE001
         rows.append(Row(group, "MXLinear", float("nan"), 0, "TFLOP/s", note=repr(exc)[:100]))

@@ -15,7 +15,6 @@ import json
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from gemcore.config import AttentionConfig, ModelConfig, PrecisionConfig
@@ -128,7 +127,6 @@ def train_config(config, model_cfg, data, heldout, steps_idx, warmup, device, ma
     result.syncs_per_step = count_syncs(step, timed[:2], device)
     with torch.no_grad(), policy.autocast(device.type):
         result.heldout_loss = float(runner.loss(heldout.to(device)))
-    del batches, opt, runner
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result

@@ -196,17 +196,13 @@ def _length_moments(law: str, seq_len: int, candidates: int) -> tuple[float, flo
 
 
 def history_lengths(law: str, n: int, max_len: int, rng: np.random.Generator) -> np.ndarray:
-    """(n,) history lengths of the ANCHORS.md laws: the same law as
-    :func:`gemcore.data.synthetic.history_lengths` (a test checks they agree), kept here so the
-    planner does not import torch."""
-    if law == "dense95":
-        return rng.integers(max(int(0.9 * max_len), 1), max_len + 1, n)
-    if law == "heavytail":
-        x = rng.lognormal(np.log(max_len / 16), 1.2, n)
-        return np.clip(x, min(8, max_len), max_len).astype(np.int64)
-    if law == "uniform":
-        return rng.integers(1, max_len + 1, n)
-    raise ValueError(f"model.length_law must be fixed, heavytail, dense95 or uniform, got {law!r}")
+    """(n,) history lengths of the ANCHORS.md laws (:func:`gemcore.data.synthetic.history_lengths`)."""
+    from gemcore.data.synthetic import history_lengths as draw
+
+    try:
+        return draw(law, n, max_len, rng)
+    except ValueError:
+        raise ValueError(f"model.length_law must be fixed, heavytail, dense95 or uniform, got {law!r}") from None
 
 
 # ---------------------------------------------------------------------- presets

@@ -1,0 +1,37 @@
+"""CUDA-event timing shared by the benchmarks: median of per-call event timings after warm-up
+(the method ANCHORS.md's figures were measured with)."""
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+import torch
+
+
+def median_ms(fn: Callable[[], object], iters: int | None = None, *, warmup: int = 3,
+              rep_ms: float = 200.0) -> float:
+    """Median milliseconds of ``fn()`` on the current CUDA stream.
+
+    ``iters`` calls are timed; when None, as many as fit in about ``rep_ms`` (5 to 200), judged
+    from three calls after the warm-up.
+    """
+    for _ in range(max(1, warmup)):
+        fn()
+    torch.cuda.synchronize()
+    if iters is None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            fn()
+        end.record()
+        end.synchronize()
+        iters = max(5, min(200, int(rep_ms / max(start.elapsed_time(end) / 3, 1e-3))))
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
