@@ -11,6 +11,9 @@ Hook points come in two shapes:
   is an error naming both plugins) and the configuration picks one name per hook point.
 * **lifecycle** (``gemcore_configure``, ``gemcore_after_step``, ``gemcore_end_run``): notifications.
 
+A factory may carry an optional attribute ``unavailable() -> str | None`` saying why it cannot run
+on this machine (a missing extra, no GPU); ``gem info`` reports it.
+
 The factories' call signatures are part of the contract and are documented on each hook and in
 ``docs/architecture.md``.
 """

@@ -73,6 +73,19 @@ def test_gem_info(tmp_path, monkeypatch):
         assert needle in result.stdout, needle
 
 
+def test_gem_info_says_which_backends_a_missing_extra_disables(tmp_path, monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "mpi4py" else real_find_spec(name, *a))
+    result = gem(["info"], tmp_path, monkeypatch)
+    assert result.returncode == 0
+    assert "mpi (unusable here: needs mpi4py" in result.stdout
+    if not torch.cuda.is_available():
+        assert "ce (unusable here: needs a CUDA GPU)" in result.stdout
+
+
 def test_gem_plugins_json_lists_every_hook_point(tmp_path, monkeypatch):
     result = gem(["plugins", "--json", "--set", "precision.impl=bf16"], tmp_path, monkeypatch)
     info = json.loads(result.stdout)

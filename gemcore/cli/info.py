@@ -57,11 +57,17 @@ def run(args: argparse.Namespace) -> int:
     print("GPUs:" + ("" if found else " none (CPU only)"))
     for g in found:
         print(f"  {g}")
+    print("implementations:")
+    from gemcore.plugin_manager import HOOK_POINTS
+
+    for point in HOOK_POINTS:
+        shown = []
+        for impl in manager.implementations(point).values():
+            check = getattr(impl.factory, "unavailable", None)
+            reason = check() if callable(check) else None
+            shown.append(impl.name if reason is None else f"{impl.name} (unusable here: {reason})")
+        print(f"  {point:13s} {', '.join(shown) or 'none'}")
     info = describe(config, manager)
-    print("usable implementations:")
-    for point, entry in info["hook_points"].items():
-        names = ", ".join(i["name"] for i in entry["implementations"]) or "none"
-        print(f"  {point:13s} {names}")
     for p in info["plugins"]:
         if p["status"] == "failed":
             print(f"  plugin {p['name']} unusable: {p['error']}")
