@@ -125,7 +125,8 @@ class GemModel(nn.Module):
         for block in self.blocks:
             x = block(x, seq_offsets, num_targets, batch.max_len)
         h = self.final_norm(x)[cand_pos]
-        return self.head(torch.cat([h, h * cand_item], dim=-1)).squeeze(-1)
+        # a fresh tensor, not a view: FSDP2 warns that in-place ops on a returned view skip its hooks
+        return self.head(torch.cat([h, h * cand_item], dim=-1)).squeeze(-1).clone()
 
     def loss(self, batch: JaggedBatch) -> torch.Tensor:
         """Mean binary cross-entropy over the batch's candidates (0 for an empty batch)."""
