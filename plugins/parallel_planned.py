@@ -7,7 +7,7 @@ localhost:29500). Backend: nccl on CUDA, gloo otherwise.
 * ``fsdp``: every rank in dp_shard (FSDP2 over the world).
 * ``planned``: the degrees in ``parallelism.degrees`` (e.g. ``"dp_shard=2,tp=2"``), or the
   ``GEMCORE_PARALLEL_DEGREES`` environment variable while the config section lacks that key.
-* ``auto``: the planner's best plan among those gemcore can apply (no cp/pp; ep only = dp_shard) for the model
+* ``auto``: the planner's best plan among those gemcore can apply (no pp; ep only = dp_shard) for the model
   of this run (``gemcore_configure`` hands it over) on the GPUs launched.
 """
 from __future__ import annotations
@@ -83,7 +83,7 @@ class PlannedParallelism(Parallelism):
             return model.to(device)
         from gemcore.planner.apply import apply_plan
 
-        return apply_plan(model, self.plan, device, self.mesh)
+        return apply_plan(model, self.plan, device, self.mesh, attention=_attention_spec())
 
     def describe(self) -> str:
         degrees = ", ".join(f"{k}={v}" for k, v in self.plan.degrees().items() if v > 1) or "1 process"
@@ -103,6 +103,16 @@ class PlannedParallelism(Parallelism):
         out = value.detach().clone()
         dist.all_reduce(out)
         return out / self.env["world_size"]
+
+
+def _attention_spec() -> dict:
+    """The run's attention config as context parallelism needs it (defaults without a run config)."""
+    attention = getattr(_RUN_CONFIG.get("config"), "attention", None)
+    if attention is None:
+        return {}
+    activation = attention.activation
+    return {"activation": activation, "scale": attention.scale or None,
+            "norm": (attention.norm or None) if activation != "softmax" else None}
 
 
 def _degrees_from(config) -> str:

@@ -1,5 +1,6 @@
-"""Applying plans on torch.distributed (gloo, CPU ranks under torchrun): losses of FSDP2, HSDP,
-FSDP2 x TP and FSDP2 x EP runs of GemModel match a single-process run step for step."""
+"""Applying plans on torch.distributed (gloo, CPU ranks under torchrun): losses and gradient norms
+of FSDP2, HSDP, FSDP2 x TP, FSDP2 x EP and context-parallel runs of GemModel match a single-process
+run step for step."""
 import json
 import os
 import socket
@@ -44,6 +45,10 @@ def _reference(capsys, *extra: str) -> list[float]:
     (4, "dp_shard=2,tp=2", ()),
     (4, "dp_replicate=2,dp_shard=2", ("--experts", "4")),
     (2, "dp_shard=2,ep=2", ("--experts", "4")),
+    # one long user: its history is cut between the ranks (continuation + K/V carry), recomputed
+    (2, "cp=2,ac=full", ("--batch", "1", "--max-len", "40")),
+    (4, "dp_shard=2,cp=2,ac=selective", ("--experts", "4")),
+    (4, "cp=2,tp=2", ()),
 ])
 def test_plan_losses_match_single_process(capsys, nproc, degrees, extra):
     expected = _reference(capsys, *extra)
@@ -55,8 +60,10 @@ def test_plan_losses_match_single_process(capsys, nproc, degrees, extra):
 def test_unapplied_dimensions_are_named():
     assert check_supported(Plan(dp_shard=2, tp=2)) == []
     assert check_supported(Plan(dp_shard=2, ep=2)) == []
+    assert check_supported(Plan(dp_replicate=2, dp_shard=2, cp=2, tp=2)) == []
     missing = " ".join(check_supported(Plan(cp=2, pp=2, dp_shard=2)))
-    assert "cp=2" in missing and "pp=2" in missing
+    assert "pp=2" in missing and "cp=2" not in missing
+    assert "ep=2" in " ".join(check_supported(Plan(dp_shard=2, cp=2, ep=2)))  # experts beside cp
     assert "ep=2" in " ".join(check_supported(Plan(dp_shard=4, ep=2)))       # experts FSDP over 2
 
 

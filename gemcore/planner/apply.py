@@ -1,7 +1,7 @@
 """Apply a :class:`Plan` to a GemModel with torch.distributed: DeviceMesh, DTensor TP, FSDP2.
 
 Order (each step logs what it did): ``build_mesh`` -> ``apply_tp`` -> ``apply_ep`` ->
-``apply_ac`` -> ``apply_fsdp``.
+``apply_cp`` -> ``apply_ac`` -> ``apply_fsdp``.
 TP goes first so FSDP2 shards the TP-sharded DTensors along the data-parallel mesh (2-D), as
 TorchTitan does. Every step takes explicit arguments, not the config; the model file stays free
 of parallelism code.
@@ -10,8 +10,10 @@ What is applied today: dp_shard (FSDP2 ``fully_shard``), dp_replicate x dp_shard
 given to ``fully_shard``), tp (``parallelize_module`` with Colwise/RowwiseParallel on each MLP and
 expert: gate_up column-wise, down row-wise; attention projections too when the block exposes
 ``head_dim``, otherwise attention stays replicated), ep = dp_shard (expert_parallel.py: experts
-spread over dp_shard, tokens moved by all-to-all), ac (``checkpoint_wrapper`` per block).
-cp and pp > 1, and ep beside expert FSDP/replicas or TP, are planned and costed but not applied:
+spread over dp_shard, tokens moved by all-to-all), cp (context_parallel.py: each cp rank runs
+the blocks on a cost-balanced contiguous share of the batch's rows; the cp ranks join the FSDP
+mesh as ``dp_shard_cp``), ac (``checkpoint_wrapper`` per block).
+pp > 1, and ep beside expert FSDP/replicas, TP or cp, are planned and costed but not applied:
 :func:`check_supported` says so.
 """
 from __future__ import annotations
@@ -29,13 +31,15 @@ log = logging.getLogger("gemcore.planner.apply")
 def check_supported(plan: Plan) -> list[str]:
     """What in ``plan`` this module cannot apply yet (empty: all of it)."""
     missing = []
-    for axis in (MeshAxis.CP, MeshAxis.PP):
-        if plan.degree(axis) > 1:
-            missing.append(f"{axis.value}={plan.degree(axis)} (planned and costed, not applied yet)")
-    if plan.ep > 1 and (plan.ep != plan.dp_shard or plan.tp > 1 or plan.dp_replicate > 1):
+    if plan.pp > 1:
+        missing.append(f"pp={plan.pp} (planned and costed, not applied: GemModel's jagged micro-batches "
+                       "change their token count every step, and torch.distributed.pipelining stages "
+                       "exchange fixed shapes; see docs/planner.md)")
+    if plan.ep > 1 and (plan.ep != plan.dp_shard or plan.tp > 1 or plan.dp_replicate > 1 or plan.cp > 1):
         missing.append(f"ep={plan.ep} with dp_shard={plan.dp_shard}, tp={plan.tp}, "
-                       f"dp_replicate={plan.dp_replicate} (expert parallelism is applied only with "
-                       "ep = dp_shard, tp = 1, dp_replicate = 1: no expert FSDP/replicas or expert TP yet)")
+                       f"dp_replicate={plan.dp_replicate}, cp={plan.cp} (expert parallelism is applied only "
+                       "with ep = dp_shard, tp = 1, dp_replicate = 1, cp = 1: no expert FSDP/replicas, "
+                       "expert TP or experts beside context parallelism yet)")
     return missing
 
 
@@ -167,8 +171,22 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     return total
 
 
-def apply_plan(model: nn.Module, plan: Plan, device: torch.device, mesh=None) -> nn.Module:
-    """Everything above, in the documented order, for a plan :func:`check_supported` accepts."""
+def fsdp_mesh(mesh, plan: Plan):
+    """The data-parallel mesh FSDP shards over: dp_shard, joined by cp when cp > 1 (flattened to
+    ``dp_shard_cp``: cp ranks hold the same users but back-propagate different rows, so their
+    gradients are summed with the data-parallel ones); with dp_replicate > 1 a 2-D HSDP mesh."""
+    shard = MeshAxis.DP_SHARD.value
+    if plan.cp > 1:
+        mesh[(MeshAxis.DP_SHARD.value, MeshAxis.CP.value)]._flatten("dp_shard_cp")
+        shard = "dp_shard_cp"
+    return mesh[(MeshAxis.DP_REPLICATE.value, shard)] if plan.dp_replicate > 1 else mesh[shard]
+
+
+def apply_plan(model: nn.Module, plan: Plan, device: torch.device, mesh=None, *,
+               attention: dict | None = None) -> nn.Module:
+    """Everything above, in the documented order, for a plan :func:`check_supported` accepts.
+    ``attention``: ``activation``, ``scale``, ``norm`` of the model's attention hook (needed by
+    context parallelism; default softmax with 1/sqrt(head_dim))."""
     missing = check_supported(plan)
     if missing:
         raise ValueError("parallelism: cannot apply " + "; ".join(missing))
@@ -182,15 +200,18 @@ def apply_plan(model: nn.Module, plan: Plan, device: torch.device, mesh=None) ->
         model = apply_ep(model, mesh[MeshAxis.DP_SHARD.value].get_group(), plan.dp_replicate * plan.dp_shard)
         ignored = expert_parameters(model)
         log.info("ep=%d over dp_shard: %d expert parameters kept out of FSDP", plan.ep, len(ignored))
+    if plan.cp > 1:
+        from gemcore.planner.context_parallel import apply_cp
+
+        model = apply_cp(model, mesh[MeshAxis.CP.value].get_group(), **(attention or {}))
+        log.info("cp=%d: blocks run on cost-balanced row shares, K/V carries all-gathered", plan.cp)
     model = apply_ac(model, plan.ac)
-    if plan.dp_replicate * plan.dp_shard > 1:
-        dims = ((MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value) if plan.dp_replicate > 1
-                else (MeshAxis.DP_SHARD.value,))
-        model = apply_fsdp(model, mesh[dims], reshard_after_forward=plan.reshard_after_forward,
+    if plan.dp_replicate * plan.dp_shard * plan.cp > 1:
+        model = apply_fsdp(model, fsdp_mesh(mesh, plan), reshard_after_forward=plan.reshard_after_forward,
                            ignored_params=ignored)
     return model
 
 
 __all__ = ["build_mesh", "apply_tp", "apply_ac", "apply_fsdp", "apply_plan", "check_supported",
-           "clip_grad_norm_",
+           "clip_grad_norm_", "fsdp_mesh",
            "data_parallel_coordinates"]
