@@ -37,10 +37,11 @@ No kernel moves data: the copies are ``cudaMemcpyAsync`` calls, which cross a co
 between GPUs (NVLink/PCIe peer copies). Two ranks sharing one GPU also work (IPC handles open
 between processes of one device), but a same-device copy may run on SMs, so that case proves
 correctness, not SM-freedom. Reductions (all_reduce, reduce_scatter) and CPU tensors go to the
-delegate backend. A group spanning several nodes gathers hierarchically (the inter-node step
-through the delegate, then the intra-node step with the copy engine: comms/hierarchy.py) when
-its nodes hold equal numbers of ranks; its other collectives go to the delegate. The host is
-never blocked on the GPU except by the barriers' host-side handshakes.
+delegate backend. A group spanning several nodes composes its CUDA all_gather, all_to_all(-v)
+and broadcast of an intra-node copy-engine step and an inter-node delegate step
+(comms/hierarchy.py): broadcast for any node sizes, all_gather and all_to_all when the nodes hold
+equal numbers of ranks (all_to_all: at least two each); otherwise they go to the delegate whole.
+The host is never blocked on the GPU except by the barriers' host-side handshakes.
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ from typing import Any
 import torch
 
 from gemcore.comms.base import DEFAULT_TIMEOUT_S, Communicator
-from gemcore.comms.hierarchy import Layout, node_layout
+from gemcore.comms.hierarchy import Hierarchy
 from gemcore.comms.launch import detect
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault (unified addressing decides the direction)
@@ -127,9 +128,8 @@ class CopyEngineCommunicator(Communicator):
         self._events: dict[str, int] = {}
         self._peer_events: dict[str, list[int]] = {}
         self._streams: list[torch.cuda.Stream] = []
-        #: several nodes: (layout, intra-node ce communicator, inter-node delegate), made on first use
-        self._hier: tuple[Layout, Communicator, Communicator] | None = None
-        self._hier_tried = False
+        #: several nodes: intra-node ce and inter-node delegate communicators, made on first use
+        self._hier: Hierarchy | None = None
         if self.intra_node and self.world_size > 1:
             with self.cupy.cuda.Device(self.device.index):
                 self._open_events()
@@ -138,7 +138,7 @@ class CopyEngineCommunicator(Communicator):
 
     def describe(self) -> str:
         path = (f"copy engine, sync {self.sync}" if self.intra_node else
-                "several nodes: all_gather hierarchical (delegate across nodes, copy engine within)")
+                "several nodes: hierarchical (delegate across nodes, copy engine within)")
         return f"{super().describe()}, {path}, delegate {self.delegate.backend}"
 
     # ------------------------------------------------------------------ registration
@@ -265,40 +265,26 @@ class CopyEngineCommunicator(Communicator):
             self._wait_peers(done, cur)
 
     # ------------------------------------------------------------------ several nodes
-    def _hierarchy(self) -> tuple[Layout, Communicator, Communicator] | None:
-        """The intra-node ce and inter-node delegate communicators (collective on first call:
-        every rank reaches it through the same CUDA all_gather); None when the nodes hold
-        different numbers of ranks."""
-        if not self._hier_tried:
-            self._hier_tried = True
-            layout = node_layout(self.peers)
-            if layout is not None:
-                intra = self.delegate._split_impl([list(g) for g in layout.intra], layout.intra_index(self.rank))
-                inter = self.delegate._split_impl([list(g) for g in layout.inter], layout.inter_index(self.rank))
-                ce = CopyEngineCommunicator(timeout_s=self.timeout_s, check=False, delegate=intra,
-                                            window_bytes=_MIN_WINDOW, sync=self.sync)
-                self._hier = (layout, ce, inter)
-        return self._hier
+    def _spans_nodes(self, t: torch.Tensor) -> bool:
+        """Whether a collective on ``t`` takes the hierarchical path (CUDA, several nodes)."""
+        return t.is_cuda and not self.intra_node
 
-    def _hierarchical_all_gather(self, t: torch.Tensor) -> torch.Tensor | None:
-        """Inter-node delegate all_gather, then intra-node copy-engine all_gather of the result
-        (comms/hierarchy.py); None when the layout does not allow it."""
-        hier = self._hierarchy()
-        if hier is None:
-            return None
-        layout, intra, inter = hier
-        across = inter._all_gather_impl(t)  # the i-th rank of every node: num_nodes chunks
-        gathered = intra._all_gather_impl(across)  # the node's ranks: local_size * num_nodes chunks
-        if layout.in_rank_order:
-            return gathered
-        chunks = gathered.view(self.world_size, *t.shape)
-        order = torch.tensor(layout.position, dtype=torch.long, device=t.device)
-        return chunks.index_select(0, order).reshape(self.world_size * t.shape[0], *t.shape[1:])
+    def _make_intra(self, sub: Communicator) -> Communicator:
+        """The copy-engine communicator of this node's ranks (``sub``: the delegate's)."""
+        return CopyEngineCommunicator(timeout_s=self.timeout_s, check=False, delegate=sub,
+                                      window_bytes=_MIN_WINDOW, sync=self.sync)
+
+    def _hierarchy(self) -> Hierarchy:
+        """The intra-node ce and inter-node delegate communicators (collective on first call:
+        every rank reaches it through the same CUDA collective)."""
+        if self._hier is None:
+            self._hier = Hierarchy(self.delegate, self._make_intra)
+        return self._hier
 
     # ------------------------------------------------------------------ collectives
     def _all_gather_impl(self, t: torch.Tensor) -> torch.Tensor:
-        if t.is_cuda and not self.intra_node:
-            out = self._hierarchical_all_gather(t)
+        if self._spans_nodes(t):
+            out = self._hierarchy().all_gather(t)
             if out is not None:
                 return out
         if not self._use_ce(t):
@@ -310,6 +296,10 @@ class CopyEngineCommunicator(Communicator):
         return out
 
     def _all_to_all_impl(self, t: torch.Tensor, in_splits: list[int], out_splits: list[int]) -> torch.Tensor:
+        if self._spans_nodes(t):
+            out = self._hierarchy().all_to_all(t, in_splits, out_splits)
+            if out is not None:
+                return out
         if not self._use_ce(t):
             return self.delegate._all_to_all_impl(t, in_splits, out_splits)
         w = self.world_size
@@ -328,6 +318,8 @@ class CopyEngineCommunicator(Communicator):
         return out
 
     def _broadcast_impl(self, t: torch.Tensor, src: int) -> None:
+        if self._spans_nodes(t):
+            return self._hierarchy().broadcast(t, src)
         if not self._use_ce(t):
             return self.delegate._broadcast_impl(t, src)
         nbytes = t.numel() * t.element_size()
@@ -351,9 +343,7 @@ class CopyEngineCommunicator(Communicator):
 
     def _finalize_impl(self) -> None:
         if self._hier is not None:
-            _, intra, inter = self._hier
-            intra._finalize_impl()
-            inter._finalize_impl()
+            self._hier.finalize()
             self._hier = None
         if self._window:
             torch.cuda.synchronize(self.device)

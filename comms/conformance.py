@@ -22,6 +22,7 @@ import torch
 
 from gemcore import comms
 from gemcore.comms.base import NODE_ENV, MismatchError
+from gemcore.comms.hierarchy import Hierarchy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64,
           "float16": torch.float16, "uint8": torch.uint8, "bool": torch.bool}
@@ -73,7 +74,10 @@ class Suite:
         raise AssertionError(f"{what}: no {error.__name__} raised")
 
     # ------------------------------------------------------------------ checks
-    def run(self, large: bool) -> None:
+    def run(self, large: bool, hierarchy: bool = False) -> None:
+        """Every check; ``hierarchy``: also the hierarchical compositions when ``c`` spans nodes
+        (top-level communicators only: they split ``c`` again, and the torch backend's
+        ``new_group`` must be called by every rank of the job, not only a sub-group's)."""
         c = self.c
         for name in self.dtypes:
             dt = DTYPES[name]
@@ -90,6 +94,8 @@ class Suite:
             self.large()
         if hasattr(c, "window") and self.device.type == "cuda":
             self.registered()
+        if hierarchy and c.num_nodes > 1 and c.backend != "ce":  # ce composes its own (checked above)
+            self.hierarchy()
 
     def all_gather(self, dt, name) -> None:
         c = self.c
@@ -191,6 +197,47 @@ class Suite:
                 "out_splits mismatch")
         c.barrier()
 
+    def hierarchy(self) -> None:
+        """The hierarchical compositions of comms/hierarchy.py over this backend's own
+        sub-communicators (the intra-node one standing in for ce's copy-engine communicator), on
+        a group spanning several (simulated) nodes: each against the value computed locally."""
+        c, w = self.c, self.c.world_size
+        hier = Hierarchy(c, make_intra=lambda sub: sub)
+        equal = hier.layout is not None
+        for name in [d for d in self.dtypes if d in ("float32", "int64")]:
+            dt = DTYPES[name]
+            for shape in [(0, 2), (3,), (2, 3)]:
+                got = hier.all_gather(self.value(c.rank, shape, dt))
+                if equal:
+                    want = torch.cat([self.value(r, shape, dt) for r in range(w)])
+                    self.expect(got, want, f"hierarchical all_gather {name} {shape}")
+                elif got is not None:
+                    raise AssertionError("hierarchical all_gather on unequal nodes did not fall back")
+            for src in range(w):
+                for shape in [(0,), (), (5, 2)]:
+                    t = self.value(c.rank, shape, dt, salt=10)
+                    hier.broadcast(t, src)
+                    self.expect(t, self.value(src, shape, dt, salt=10), f"hierarchical broadcast {name} src={src} {shape}")
+
+            def splits(src: int) -> list[int]:  # zeros included
+                return [(3 * src + dst) % 4 for dst in range(w)]
+
+            for trailing in [(), (3,)]:
+                mine = self.value(c.rank, (sum(splits(c.rank)), *trailing), dt, salt=11)
+                out_splits = [splits(src)[c.rank] for src in range(w)]
+                got = hier.all_to_all(mine, splits(c.rank), out_splits)
+                if equal and hier.layout.local_size > 1:
+                    parts = []
+                    for src in range(w):
+                        theirs = self.value(src, (sum(splits(src)), *trailing), dt, salt=11)
+                        start = sum(splits(src)[:c.rank])
+                        parts.append(theirs[start:start + splits(src)[c.rank]])
+                    self.expect(got, torch.cat(parts), f"hierarchical all_to_all {name} {trailing}")
+                elif got is not None:
+                    raise AssertionError("hierarchical all_to_all did not fall back")
+        hier.finalize()
+        c.barrier()
+
     def registered(self) -> None:
         """Zero-copy inputs that already live in the backend's registered window (ce)."""
         c = self.c
@@ -248,7 +295,7 @@ def check_nodes(c: comms.Communicator, nodes: int) -> None:
 def run_suite(comm: comms.Communicator, device: torch.device, dtypes: list[str], large: bool, log) -> int:
     """All checks on ``comm`` and on sub-communicators split from it; returns the number passed."""
     suite = Suite(comm, device, dtypes, log)
-    suite.run(large)
+    suite.run(large, hierarchy=True)
     total = suite.checks
     w = comm.world_size
     if w > 1:

@@ -10,7 +10,9 @@ Steps (each a subprocess with its own time limit; a failing step is reported and
    kernel (ANCHORS.md: about 0%, -9%, -9%).
 2. ``ce-barrier`` / ``ce-event``: ``mpirun -n 2`` conformance of ``ce`` (delegate mpi), every op,
    64 MiB tensors, in both synchronisation modes.
-3. ``ce-hier``: ``mpirun -n 4`` on two simulated nodes: hierarchical all_gather (event mode).
+3. ``ce-hier``: ``mpirun -n 4`` on two simulated nodes of 2 (event mode): hierarchical
+   all_gather, all_to_all(-v) and broadcast; ``ce-hier-uneven``: ``mpirun -n 3`` on nodes of 2 + 1
+   (barrier mode): hierarchical broadcast, all_gather and all_to_all through the delegate.
 4. ``bench-barrier`` / ``bench-event``: ``mpirun -n 2 gem bench comms --backend ce --overlap-gemm``
    (all_gather and broadcast, 1 MiB to 64 MiB): the per-call time of each mode, and the GEMM of
    rank 0 while both ranks' copies run (two processes time-slice one GPU, so this is not a
@@ -51,7 +53,9 @@ def steps(quick: bool) -> list[tuple[str, list[str], int]]:
                 ("ce-event", mpirun + ["2", *suite, "--option", "sync=event", "--large",
                                        "--dtypes", "float32,bfloat16,int64,bool"], 100),
                 ("ce-hier", mpirun + ["4", *suite, "--option", "sync=event", "--nodes", "2",
-                                      "--dtypes", "float32,bfloat16"], 100)]
+                                      "--dtypes", "float32,bfloat16"], 85),
+                ("ce-hier-uneven", mpirun + ["3", *suite, "--option", "sync=barrier", "--nodes", "2",
+                                             "--dtypes", "float32,int64"], 60)]
     out += [("bench-barrier", mpirun + ["2", *bench, "--option", "sync=barrier"], 80),
             ("bench-event", mpirun + ["2", *bench, "--option", "sync=event"], 80)]
     return out

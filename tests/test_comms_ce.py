@@ -1,7 +1,8 @@
 """The copy-engine backend on a GPU: several processes sharing the node's GPU(s) run the
 conformance suite (every SM-free op against values computed locally, plus delegated reductions),
 with the mpi backend as delegate, in both synchronisation modes, and on two simulated nodes
-(hierarchical all_gather). Skipped without a CUDA GPU, CuPy or mpirun."""
+(hierarchical all_gather, all_to_all and broadcast) and on nodes of unequal size (hierarchical
+broadcast, the rest through the delegate). Skipped without a CUDA GPU, CuPy or mpirun."""
 from __future__ import annotations
 
 import importlib.util
@@ -50,5 +51,12 @@ def test_ce_conformance_on_one_node(n, sync):
 
 @pytest.mark.parametrize("sync", ["barrier", "event"])
 def test_ce_hierarchical_on_two_simulated_nodes(sync):
-    """4 ranks on 2 simulated nodes: all_gather = inter-node delegate + intra-node copy engine."""
+    """4 ranks on 2 simulated nodes: all_gather, all_to_all and broadcast composed of inter-node
+    delegate and intra-node copy-engine steps."""
     _run(4, "--option", f"sync={sync}", "--nodes", "2", "--dtypes", "float32,bfloat16")
+
+
+def test_ce_hierarchical_on_unequal_simulated_nodes():
+    """3 ranks on nodes of 2 + 1: broadcast through one leader per node; all_gather and
+    all_to_all fall back to the delegate."""
+    _run(3, "--option", "sync=barrier", "--nodes", "2", "--dtypes", "float32,int64")

@@ -146,7 +146,7 @@ def test_gpu_check_commands_parse(monkeypatch):
             p = argparse.ArgumentParser()
             overlap.add_arguments(p)
             assert overlap.parse_transfers(p.parse_args(argv).transfer) == list(overlap.TRANSFERS)
-    assert [o["sync"] for o in seen] == ["barrier", "event", "event"]
+    assert [o["sync"] for o in seen] == ["barrier", "event", "event", "barrier"]
 
 
 def test_verdicts_compare_copy_engine_rows_with_the_goal():
