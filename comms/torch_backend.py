@@ -98,13 +98,11 @@ class TorchCommunicator(Communicator):
         dist.all_reduce(torch.zeros(1), group=self.group)
 
     def _split_impl(self, groups: list[list[int]], index: int) -> Communicator:
-        timeout = _timedelta(self.timeout_s)
-        mine = None
-        for i, members in enumerate(groups):  # every rank creates every group, in the same order
-            group = dist.new_group([self._ranks[m] for m in members], timeout=timeout)
-            if i == index:
-                mine = group
+        # Only this group's members create it (group-local synchronisation), so a split of a
+        # sub-communicator does not need the ranks outside the parent to join in.
         members = groups[index]
+        mine = dist.new_group([self._ranks[m] for m in members], timeout=_timedelta(self.timeout_s),
+                              use_local_synchronization=True)
         return TorchCommunicator._sub(self, mine, members, members.index(self.rank))
 
     def _finalize_impl(self) -> None:
