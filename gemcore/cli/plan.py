@@ -62,9 +62,10 @@ def run(args: argparse.Namespace) -> int:
     cluster = build_cluster(args)
     calibration = None
     if args.calibrate:
-        from gemcore.planner.calibrate import calibrate_cluster
+        from gemcore.planner.calibrate import calibrate_cluster, measure
 
-        cluster, calibration = calibrate_cluster(cluster)
+        cluster, calibration = calibrate_cluster(
+            cluster, measure(model, seq_len=args.seq_len or model.seq_len), spec=model)
     seq_len = args.seq_len or model.seq_len
     global_batch = args.global_batch or model.batch_per_gpu * cluster.gpus
     context = {"model": model.name, "model_summary": describe(model), "gpus": cluster.gpus,

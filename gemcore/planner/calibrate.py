@@ -1,75 +1,254 @@
 """``gem plan --calibrate``: measure this machine's rates and plan with them instead of datasheets.
 
-Measured: a square GEMM (bf16 on CUDA, fp32 on CPU), causal scaled-dot-product attention
-forward + backward, a device copy (memory bandwidth) and, when a process group is initialised
-(``torchrun``), an all-reduce's bus bandwidth, used for both intra- and inter-node links. On a CPU
-without a launcher the link figures stay the GPU table's: nothing can be measured there.
-The measured GEMM rate becomes the peak (efficiency 1), so MFU is relative to what was measured.
+Everything is measured the way the run computes, in the run's dtype (bf16 on CUDA, fp32 on CPU):
+
+* GEMM: a large square product (the peak) and, given a model, its own linear layers forward +
+  backward at one micro-batch's token count (the rate the step's matmuls get);
+* attention: :func:`gemcore.kernels.jagged_attention` with the run's backend, causal with the
+  candidates as targets, forward + backward, on the run's sequence lengths (given, or drawn from the
+  model's length law). The same count of length-1 sequences gives the per-sequence cost (a loop over
+  sequences pays it), the rest the rate per counted FLOP (the planner's 3.5·H·(d_qk+d_v)·ΣL²);
+* elementwise: ``a * b`` on one micro-batch's activation (T, hidden), bytes read + written per s;
+* host overhead: one GemModel block forward + backward on a single one-token sequence (per layer),
+  and a one-block GemModel train step (embeddings, head, loss, clipping, AdamW) minus that block
+  (per step) — the time that does not scale with size;
+* under a process group (``torchrun``): all-gather and reduce-scatter at the size FSDP2 moves per
+  block (and at 1 KiB: the latency), and an all-reduce. Without one the link figures stay the
+  GPU table's.
+
+The measured square-GEMM rate becomes the peak (MFU is relative to it); the other rates become
+efficiencies against it, the overheads :class:`~gemcore.planner.cluster.GpuKind` fields.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
 from gemcore.planner.cluster import Cluster
 
 
-def _timed(fn, repeats: int = 5) -> float:
-    fn()
+def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def _timed(fn, repeats: int = 5, budget_s: float = 0.3) -> float:
+    """Median seconds of ``fn()`` after one warm-up call; at least ``repeats`` calls, more (up to 100)
+    while they fit in ``budget_s`` (small, noisy measurements get more samples)."""
+    t0 = time.perf_counter()
+    fn()
+    _sync()
+    first = time.perf_counter() - t0
+    repeats = max(repeats, min(100, int(budget_s / max(first, 1e-6))))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        _sync()
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
 
 
-def measure(size: int | None = None) -> dict[str, float]:
-    """Rates of this device: gemm_flops, attention_flops (fwd+bwd, causal), copy_bytes_per_s and,
-    under a process group, allreduce_busbw (bytes/s)."""
+def _device_dtype(dtype: torch.dtype | None) -> tuple[str, torch.dtype]:
     cuda = torch.cuda.is_available()
-    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    n = size or (8192 if cuda else 512)
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    out = {"gemm_flops": 2 * n ** 3 / _timed(lambda: a @ b)}
-    B, H, L, D = (4, 16, 4096, 128) if cuda else (2, 4, 512, 64)
-    q, k, v = (torch.randn(B, H, L, D, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    return ("cuda" if cuda else "cpu"), dtype or (torch.bfloat16 if cuda else torch.float32)
 
-    def attention():
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
-    out["attention_flops"] = 3.5 * 2 * B * H * L * L * D / _timed(attention)  # 4·L²·D·H·B / 2 fwd
-    src = torch.empty(64 * 2 ** 20 // 4, device=device, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    out["copy_bytes_per_s"] = 2 * src.numel() * 4 / _timed(lambda: dst.copy_(src))
+def _gemm_rate_model(spec, tokens: int, device: str, dtype: torch.dtype) -> float:
+    """FLOP/s of the model's own linear layers (one block + head), forward + backward, at ``tokens``."""
+    h, f = spec.hidden, spec.ffn
+    q_out = spec.num_heads * spec.qk_head_dim + spec.kv_dim
+    shapes = [(h, q_out), (spec.num_heads * spec.value_head_dim, h), (h, 2 * f), (f, h)]
+    x = {n: torch.randn(tokens, n, device=device, dtype=dtype, requires_grad=True) for n, _ in shapes}
+    w = [(torch.randn(n, m, device=device, dtype=dtype) / n ** 0.5).requires_grad_() for n, m in shapes]
+
+    def run():
+        for (n, _), wi in zip(shapes, w):
+            (x[n] @ wi).sum().backward()
+
+    flops = sum(6.0 * n * m * tokens for n, m in shapes)
+    return flops / _timed(run)
+
+
+def _attention_times(lengths: list[int], targets: int, heads: int, head_dim: int, backend: str,
+                     device: str, dtype: torch.dtype) -> float:
+    """Seconds of one causal jagged attention forward + backward over sequences of ``lengths``."""
+    from gemcore.kernels.jagged_attention import jagged_attention
+
+    offsets = torch.tensor([0, *np.cumsum(lengths)], device=device, dtype=torch.int64)
+    T = int(offsets[-1])
+    q, k, v = (torch.randn(T, heads, head_dim, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    num_targets = torch.tensor([min(targets, n) for n in lengths], device=device, dtype=torch.int64)
+    max_len = max(lengths)
+
+    def run():
+        out = jagged_attention(q, k, v, offsets, causal=True, num_targets=num_targets,
+                               max_seqlen=max_len, backend=backend, validate=False)
+        out.sum().backward()
+
+    return _timed(run)
+
+
+def _host_overheads(spec, backend: str, device: str, dtype: torch.dtype) -> tuple[float, float]:
+    """(per layer, per step) seconds of size-independent host work: a GemModel block on one token,
+    and a one-block model's train step on one user with one history event and one candidate."""
+    from gemcore.config import AttentionConfig, ModelConfig
+    from gemcore.data.dataset import JaggedBatch
+    from gemcore.kernels.jagged_attention import make_attention
+    from gemcore.model import Block, GemModel
+
+    heads = spec.num_heads if spec is not None else 4
+    cfg = ModelConfig(num_items=16, hidden=2 * heads, num_blocks=1, num_heads=heads, mlp_ratio=2)
+    attend = make_attention(AttentionConfig(), backend=backend)
+    block = Block(cfg, attend).to(device=device, dtype=dtype)
+    x = torch.randn(1, cfg.hidden, device=device, dtype=dtype, requires_grad=True)
+    off = torch.tensor([0, 1], device=device)
+    one = torch.ones(1, device=device, dtype=torch.int64)
+    layer_s = _timed(lambda: block(x, off, one, 1).sum().backward(), repeats=21)
+    # (includes one attention call on one sequence: its per-sequence part is subtracted by the caller)
+
+    torch.manual_seed(0)
+    model = GemModel(cfg, attend).to(device=device, dtype=dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    z = torch.zeros(1, device=device, dtype=torch.int64)
+    batch = JaggedBatch(item_ids=z, actions=z, time_buckets=z, offsets=off, cand_ids=z,
+                        cand_offsets=off, labels=torch.zeros(1, device=device), max_len=2, sum_sq_len=4)
+
+    def step():
+        loss = model.loss(batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    step_s = _timed(step, repeats=21)
+    return layer_s, max(0.0, step_s - layer_s)
+
+
+def _collectives(layer_bytes: float, device: str) -> dict[str, float]:
+    """All-gather + reduce-scatter at FSDP2's per-block size and at 1 KiB (latency), all-reduce."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        buf = torch.ones(16 * 2 ** 20 // 4, device=device)
-        world = dist.get_world_size()
-        t = _timed(lambda: dist.all_reduce(buf))
-        out["allreduce_busbw"] = buf.numel() * 4 / t * 2 * (world - 1) / world
+    world = dist.get_world_size()
+    out = {}
+
+    def pair(nbytes: float) -> float:
+        n = max(world, int(nbytes // 4) // world * world)
+        full = torch.ones(n, device=device)
+        shard = torch.empty(n // world, device=device)
+
+        def run():
+            dist.all_gather_into_tensor(full, shard)
+            dist.reduce_scatter_tensor(shard, full)
+        dist.barrier()
+        return _timed(run, repeats=7, budget_s=0.0), n * 4   # the same call count on every rank
+
+    t_small, _ = pair(1024)
+    t_big, big = pair(max(layer_bytes, 64 * 1024))
+    out["collective_latency_s"] = t_small / 2
+    out["fsdp_busbw"] = 2 * big * (world - 1) / world / max(t_big - t_small, 1e-9)
+    buf = torch.ones(int(max(layer_bytes, 64 * 1024) // 4), device=device)
+    t_allreduce = _timed(lambda: dist.all_reduce(buf), budget_s=0.0)
+    out["allreduce_busbw"] = buf.numel() * 4 * 2 * (world - 1) / world / t_allreduce
     return out
 
 
-def calibrate_cluster(cluster: Cluster, rates: dict[str, float] | None = None) -> tuple[Cluster, dict]:
-    """``cluster`` with its GPU figures replaced by measured ``rates`` (measured now if None)."""
-    rates = rates or measure()
+def measure(spec=None, *, lengths: list[int] | None = None, sequences: int = 16,
+            backend: str = "auto", dtype: torch.dtype | None = None, size: int | None = None,
+            seq_len: int | None = None) -> dict[str, float]:
+    """Rates of this device (see the module docstring). ``spec``: the planner's ModelSpec to
+    measure at (its head count and dims, its linear layers, its length law); ``lengths``: one
+    micro-batch's sequence lengths incl. candidates (else ``sequences`` draws of the law at
+    ``seq_len``; on a CPU at most 8 sequences of at most 1024 tokens, so a large preset stays
+    measurable: the reference attention holds an L×L score matrix per head). Returns gemm_flops (square), gemm_flops_model, attention_flops (per counted
+    FLOP), sequence_overhead_s, copy_bytes_per_s, layer_overhead_s, step_overhead_s,
+    activation_bytes and, under a process group, collective_latency_s, fsdp_busbw,
+    allreduce_busbw."""
+    device, dtype = _device_dtype(dtype)
+    if backend == "auto":
+        backend = "triton" if device == "cuda" else "reference"
+    n = size or (8192 if device == "cuda" else 512)
+    lengths_given = lengths is not None
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    out = {"gemm_flops": 2 * n ** 3 / _timed(lambda: a @ b)}
+    if lengths is None:
+        if spec is not None and spec.length_law != "fixed":
+            from gemcore.planner.models import history_lengths
+
+            S = seq_len or spec.seq_len
+            lengths = [int(x) + spec.num_candidates
+                       for x in history_lengths(spec.length_law, sequences, S, np.random.default_rng(0))]
+        else:
+            lengths = [seq_len or (4096 if device == "cuda" else 512)] * (2 if device == "cpu" else 4)
+    lengths = [max(1, int(x)) for x in lengths]
+    if device == "cpu" and lengths_given is False:  # a CPU measures a model's law at most 8 × 1024 tokens
+        lengths = [min(x, 1024) for x in lengths[:8]]
+    heads = spec.num_heads if spec is not None else (16 if device == "cuda" else 4)
+    head_dim = spec.qk_head_dim if spec is not None else (128 if device == "cuda" else 64)
+    targets = spec.num_candidates if spec is not None else 0
+    tokens = sum(lengths)
+    t_real = _attention_times(lengths, targets, heads, head_dim, backend, device, dtype)
+    t_ones = _attention_times([1] * len(lengths), 0, heads, head_dim, backend, device, dtype)
+    t_one = _attention_times([1], 0, heads, head_dim, backend, device, dtype)
+    per_seq = max(0.0, (t_ones - t_one) / max(1, len(lengths) - 1))
+    counted = 3.5 * heads * 2 * head_dim * sum(x * x for x in lengths)   # the planner's hardware count
+    # the per-call part of t_ones is in the layer overhead (the block calls attention once)
+    out["attention_flops"] = counted / max(t_real - t_ones, 1e-3 * t_real)
+    out["sequence_overhead_s"] = per_seq
+    if spec is not None:
+        gemm_tokens = tokens if (lengths_given or device == "cuda") else min(tokens, 256)
+        out["gemm_flops_model"] = _gemm_rate_model(spec, gemm_tokens, device, dtype)
+    width = spec.hidden if spec is not None else 1024
+    numel = tokens * width if spec is not None else 64 * 2 ** 20 // 4
+    x, y = (torch.randn(numel, device=device, dtype=dtype) for _ in range(2))
+    z = torch.empty_like(x)
+    out["copy_bytes_per_s"] = 3 * numel * x.element_size() / _timed(lambda: torch.mul(x, y, out=z))
+    layer_s, step_s = _host_overheads(spec, backend, device, dtype)
+    out["layer_overhead_s"] = max(0.0, layer_s - per_seq)
+    out["step_overhead_s"] = step_s
+    out["activation_bytes"] = float(torch.empty(0, dtype=dtype).element_size())
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        layer_weights = (sum(spec.layer_params) / spec.num_layers) if spec is not None else 2 ** 22
+        out.update(_collectives(layer_weights * out["activation_bytes"], device))
+    return out
+
+
+def calibrate_cluster(cluster: Cluster, rates: dict[str, float] | None = None, *,
+                      spec=None) -> tuple[Cluster, dict]:
+    """``cluster`` with its GPU figures replaced by measured ``rates`` (measured now if None).
+
+    With ``gemm_flops_model`` (the model's own layers) the GEMM efficiency is set so the planner's
+    rate at that model's thinnest GEMM side (its d/(d+64) shape factor) equals the measured one.
+    """
+    rates = rates or measure(spec)
+    peak = rates["gemm_flops"]
+    gemm_eff = 1.0
+    if "gemm_flops_model" in rates and spec is not None:
+        from gemcore.planner.cost import _gemm_shape_factor
+
+        thinnest = min(spec.hidden, spec.num_heads * spec.qk_head_dim, spec.ffn)
+        gemm_eff = rates["gemm_flops_model"] / peak / _gemm_shape_factor(thinnest)
     gpu = dataclasses.replace(
         cluster.gpu, name=cluster.gpu.name + "-calibrated",
-        peak_bf16_tflops=rates["gemm_flops"] / 1e12, gemm_efficiency=1.0,
-        attention_efficiency=min(1.0, rates["attention_flops"] / rates["gemm_flops"]),
-        hbm_gbps=rates["copy_bytes_per_s"] / 1e9, memory_efficiency=1.0)
-    if "allreduce_busbw" in rates:
-        gbps = rates["allreduce_busbw"] / 1e9
-        gpu = dataclasses.replace(gpu, intra_node_gbps=gbps, inter_node_gbps=gbps, link_efficiency=1.0)
+        peak_bf16_tflops=peak / 1e12, gemm_efficiency=gemm_eff, power_limit_w=0.0,
+        attention_efficiency=rates["attention_flops"] / peak,
+        hbm_gbps=rates["copy_bytes_per_s"] / 1e9, memory_efficiency=1.0,
+        activation_bytes=int(rates.get("activation_bytes", 2)),
+        layer_overhead_s=rates.get("layer_overhead_s", 0.0),
+        sequence_overhead_s=rates.get("sequence_overhead_s", 0.0),
+        step_overhead_s=rates.get("step_overhead_s", 0.0),
+        host_synchronous=not torch.cuda.is_available())
+    bus = rates.get("fsdp_busbw", rates.get("allreduce_busbw"))
+    if bus:
+        gpu = dataclasses.replace(gpu, intra_node_gbps=bus / 1e9, inter_node_gbps=bus / 1e9,
+                                  link_efficiency=1.0,
+                                  link_latency_s=rates.get("collective_latency_s", 0.0))
     summary = {k: float(f"{v:.4g}") for k, v in rates.items()}
     return dataclasses.replace(cluster, gpu=gpu), summary
 

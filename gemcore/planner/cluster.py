@@ -49,6 +49,17 @@ class GpuKind:
     tdp_w: float = 0.0                  #: board power the peak is quoted at, W (0: unknown)
     power_limit_w: float = 0.0          #: power cap the GPUs run under, W (0: the TDP)
     power_clock_exponent: float = 1 / 3  #: f ∝ (P_limit / P_tdp)^this: 1/3 (P ∝ f³) .. 1 (voltage floor)
+    activation_bytes: int = 2           #: bytes per element the run computes in (2: bf16; 4: fp32 on CPU)
+    link_latency_s: float = 0.0         #: per-collective latency (0: LATENCY_INTRA_S / LATENCY_INTER_S)
+    #: host time that does not scale with size, per fwd+bwd (``--calibrate`` measures them; 0 on the
+    #: datasheet kinds): per layer and micro-batch, per sequence and layer (attention that loops over
+    #: sequences), and per step (embeddings, head, loss, optimizer)
+    layer_overhead_s: float = 0.0
+    sequence_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
+    #: the device runs each op before the host issues the next (CPU): host overhead adds to compute;
+    #: otherwise (GPU, asynchronous launches) only the part above the compute time shows
+    host_synchronous: bool = False
 
     @property
     def clock_factor(self) -> float:
@@ -152,10 +163,10 @@ class Cluster:
         if size <= 1:
             return intra, 0.0, True
         if span <= self.gpus_per_node:
-            return intra, LATENCY_INTRA_S, True
+            return intra, g.link_latency_s or LATENCY_INTRA_S, True
         members_per_node = max(1, self.gpus_per_node // stride)
         inter = g.inter_node_gbps * g.link_efficiency * 1e9 / self.oversubscription(span)
-        return min(intra, members_per_node * inter), LATENCY_INTER_S, False
+        return min(intra, members_per_node * inter), g.link_latency_s or LATENCY_INTER_S, False
 
     def nic_bandwidth(self, span: int) -> float:
         """One GPU's own inter-node bandwidth (all-to-all cannot pool NICs), B/s."""

@@ -52,6 +52,7 @@ class Estimate:
     intra_node: list[str]
     inter_node: list[str]
     notes: list[str] = field(default_factory=list)
+    host_overhead_s: float = 0.0      #: size-independent host time counted in the step (calibrated)
 
     @property
     def memory_total(self) -> float:
@@ -84,6 +85,7 @@ class Estimate:
             "compute_s": self.compute_s,
             "exposed_comm_s": dict(self.comm_exposed_s),
             "bubble_s": self.bubble_s,
+            "host_overhead_s": self.host_overhead_s,
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
             "mfu": self.mfu,
             "intra_node": self.intra_node,
@@ -226,12 +228,15 @@ def training_state_bytes(model: ModelSpec, plan: Plan) -> float:
 
 # ---------------------------------------------------------------------- the estimate
 def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | None = None,
-             global_batch: int | None = None) -> Estimate:
-    """Memory and step time of ``plan``. The plan must satisfy :meth:`Plan.violations` first."""
+             global_batch: int | None = None,
+             length_moments: tuple[float, float] | None = None) -> Estimate:
+    """Memory and step time of ``plan``. The plan must satisfy :meth:`Plan.violations` first.
+    ``length_moments``: (E[L], E[L²]) of the sequences (incl. candidates) of one particular batch,
+    instead of the model's length law (to predict a step that ran)."""
     S = seq_len or model.seq_len
     B = global_batch or model.batch_per_gpu * cluster.gpus
     g = cluster.gpu
-    mean_len, mean_sq = model.length_moments(S)
+    mean_len, mean_sq = length_moments or model.length_moments(S)
     tp, cp, pp, ep, v = plan.tp, plan.cp, plan.pp, plan.ep, plan.virtual_stages
     n_mb = max(1, plan.num_microbatches(B))
     L = model.num_layers
@@ -239,6 +244,8 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
     frac = stage_layers / L                        # share of each layer kind on the slowest stage
     moe_frac = model.moe_layers / L
     h = model.hidden
+    act_b = g.activation_bytes                    # bf16 (2) on GPUs; fp32 (4) for a CPU run
+    dtype_scale = act_b / BF16
 
     dense_layers, expert_layers = model.layer_params
     stage_dense = dense_layers * frac
@@ -262,10 +269,10 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
     if plan.fsdp_size > 1:
         if plan.reshard_after_forward:
             gathered = 2 * layer_weights          # the current layer and the prefetched next one
-            memory["parameters"] += BF16 * gathered
-            memory["gradients"] += BF16 * gathered
+            memory["parameters"] += act_b * gathered
+            memory["gradients"] += act_b * gathered
         else:                                     # gathered once per step, grads accumulate unsharded
-            memory["parameters"] += BF16 * (stage_dense + stage_expert + edge) / tp
+            memory["parameters"] += act_b * (stage_dense + stage_expert + edge) / tp
             memory["gradients"] += FP32 * (stage_dense + stage_expert + edge) / tp
     if model.kind == "gem":                       # item table: fp32 rows + row-wise Adagrad, over all GPUs
         rows = model.embedding_rows
@@ -276,9 +283,9 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
     tokens_mb = plan.mbs * mean_len / cp          # tokens of one micro-batch on one GPU
     act_token = ((1 - moe_frac) * activation_elements(model, plan.ac, False)
                  + moe_frac * activation_elements(model, plan.ac, True))
-    per_layer_mb = BF16 * act_token * tokens_mb / tp
+    per_layer_mb = act_b * act_token * tokens_mb / tp
     if plan.ac == "full":                         # the layer being recomputed holds everything
-        recompute_layer = BF16 * tokens_mb / tp * activation_elements(model, "none", model.is_moe)
+        recompute_layer = act_b * tokens_mb / tp * activation_elements(model, "none", model.is_moe)
     else:
         recompute_layer = 0.0
     in_flight = 1.0
@@ -298,14 +305,14 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
     attn_flops = (3.0 * model.num_heads * (model.qk_head_dim + model.value_head_dim) * stage_layers
                   * plan.mbs * mean_sq / (tp * cp))
     eager = cluster.kernels == "eager"
-    if eager:
-        ew_fwd = ((1 - moe_frac) * eager_elementwise_bytes(model, False)
+    if eager:                                     # byte counts are bf16's; fp32 moves twice as much
+        ew_fwd = dtype_scale * ((1 - moe_frac) * eager_elementwise_bytes(model, False)
                   + moe_frac * eager_elementwise_bytes(model, True))
-        norm_silu = 2 * EAGER_NORM_BYTES * h + EAGER_SWIGLU_BYTES * model.ffn
+        norm_silu = dtype_scale * (2 * EAGER_NORM_BYTES * h + EAGER_SWIGLU_BYTES * model.ffn)
     else:
-        ew_fwd = BF16 * ((1 - moe_frac) * elementwise_elements(model, False)
+        ew_fwd = act_b * ((1 - moe_frac) * elementwise_elements(model, False)
                          + moe_frac * elementwise_elements(model, True))
-        norm_silu = BF16 * (4 * h + 3 * model.ffn)
+        norm_silu = act_b * (4 * h + 3 * model.ffn)
     layer_tokens = stage_layers * tokens_mb / tp
     ew_bytes = 3 * ew_fwd * layer_tokens          # forward + backward (2x forward)
     recompute = {"none": 0.0, "selective": 0.0, "full": 1.0 / 3.0}[plan.ac]
@@ -314,7 +321,7 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
     if plan.ac == "full":
         ew_bytes += ew_fwd * layer_tokens
     if llm:                                       # the loss (last stage; modelled with the rest)
-        ew_bytes += LOSS_BYTES[cluster.kernels] * tokens_mb * model.vocab_size / tp
+        ew_bytes += dtype_scale * LOSS_BYTES[cluster.kernels] * tokens_mb * model.vocab_size / tp
     shape = _gemm_shape_factor(min(tokens_mb, h, model.num_heads * model.qk_head_dim / tp,
                                    (model.expert_ffn if model.is_moe else model.ffn) / tp))
     peak = cluster.sustained_peak_flops
@@ -327,15 +334,15 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
 
     # ------------------------------------------------------------------ communication per micro-batch
     passes = 3 if plan.ac == "full" else 2        # forward, backward (+ forward again)
-    act_bytes = BF16 * tokens_mb * h              # one activation tensor of the micro-batch
+    act_bytes = act_b * tokens_mb * h              # one activation tensor of the micro-batch
     tp_mb = stage_layers * passes * 4 * ring_time(cluster, plan, MeshAxis.TP, act_bytes)
-    kv_chunk = BF16 * tokens_mb * model.kv_dim
+    kv_chunk = act_b * tokens_mb * model.kv_dim
     cp_layer = (cp - 1) * (kv_chunk * (1 + 2 + (1 if plan.ac == "full" else 0))
                            / cluster.group_bandwidth(cp, plan.stride(MeshAxis.CP))[0]) if cp > 1 else 0.0
     cp_mb = stage_layers * max(0.0, cp_layer - t_attn / stage_layers)
     ep_mb = 0.0
     if model.is_moe and ep > 1:
-        send = BF16 * tokens_mb / tp * model.top_k * h
+        send = act_b * tokens_mb / tp * model.top_k * h
         ep_mb = (model.moe_layers * frac) * 2 * passes * all_to_all_time(cluster, ep, tp, send)
     pp_mb = 0.0
     if pp > 1:
@@ -349,7 +356,7 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
     def fsdp(weight_count: float, n: int, stride: int, gathers: int, scatters: int) -> float:
         if n <= 1:
             return 0.0
-        gather = ring_time(cluster, plan, MeshAxis.DP_SHARD, BF16 * weight_count, size=n, stride=stride)
+        gather = ring_time(cluster, plan, MeshAxis.DP_SHARD, act_b * weight_count, size=n, stride=stride)
         scatter = ring_time(cluster, plan, MeshAxis.DP_SHARD, FP32 * weight_count, size=n, stride=stride)
         return gathers * gather + scatters * scatter
 
@@ -357,7 +364,8 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
     # FSDP2's copy-out after each all-gather and cast + copy-in before each reduce-scatter (HBM)
     copied = (dense_w if fsdp_n > 1 else 0.0) + (expert_w if fsdp_exp_n > 1 else 0.0)
     n_gather, n_scatter = (2 * n_mb, n_mb) if plan.reshard_after_forward else (1, 1)
-    fsdp_copy_s = copied * (n_gather * FSDP_GATHER_COPY_BYTES + n_scatter * FSDP_SCATTER_COPY_BYTES) / hbm
+    fsdp_copy_s = dtype_scale * copied * (n_gather * FSDP_GATHER_COPY_BYTES
+                                          + n_scatter * FSDP_SCATTER_COPY_BYTES) / hbm
     if plan.reshard_after_forward:
         fsdp_per_mb = (fsdp(dense_w, fsdp_n, tp, 2, 1) + fsdp(expert_w, fsdp_exp_n, tp * ep, 2, 1))
         fsdp_exposed = n_mb * max(fsdp_per_mb - compute_mb, fsdp_per_mb / stage_layers)
@@ -370,7 +378,7 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
     replicate_exposed = max(replicate - bwd_mb, replicate / stage_layers) if replicate else 0.0
     embed_exposed = 0.0
     if model.kind == "gem":                       # looked-up rows there, their gradients back
-        send = BF16 * h * B * mean_len / cluster.gpus
+        send = act_b * h * B * mean_len / cluster.gpus
         embed_exposed = 2 * all_to_all_time(cluster, cluster.gpus, 1, send)
 
     optimizer_s = OPTIMIZER_BYTES[cluster.kernels] * local / hbm
@@ -379,6 +387,12 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
     comm = {"tp": n_mb * tp_mb, "cp": n_mb * cp_mb, "ep": n_mb * ep_mb, "pp": n_mb * pp_mb,
             "fsdp": fsdp_exposed, "dp_replicate": replicate_exposed, "embedding": embed_exposed}
     compute_total = n_mb * compute_mb + optimizer_s + fsdp_copy_s
+    # size-independent host time (Python, dispatcher, per-sequence attention loops): it adds to the
+    # compute on a synchronous device; on a GPU only what the asynchronous launches cannot hide shows
+    host = (n_mb * stage_layers * (g.layer_overhead_s + plan.mbs * g.sequence_overhead_s)
+            + g.step_overhead_s)
+    host_exposed = host if g.host_synchronous else max(0.0, host - compute_total)
+    compute_total += host_exposed
     step = compute_total + sum(comm.values()) + bubble
 
     tokens_step = B * mean_len
@@ -389,7 +403,8 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
                     compute_s=compute_total, comm_exposed_s={k: t for k, t in comm.items() if t},
                     bubble_s=bubble, step_time_s=step, tokens_per_step=tokens_step,
                     model_flops_per_step=model_flops, num_gpus=cluster.gpus, peak_flops=cluster.peak_flops,
-                    num_microbatches=n_mb, intra_node=inside, inter_node=across)
+                    num_microbatches=n_mb, intra_node=inside, inter_node=across,
+                    host_overhead_s=host_exposed)
 
 
 def _gemm_shape_factor(smallest_dim: float) -> float:

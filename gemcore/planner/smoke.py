@@ -57,11 +57,16 @@ def main(argv: list[str] | None = None) -> int:
                           kind="uniform", seed=0)
     import time
 
-    losses, grad_norms, step_s = [], [], []
+    losses, grad_norms, step_s, moments = [], [], [], []
     for step in range(args.steps):
         t0 = time.perf_counter()
         first = 0 if args.same_batch else step * args.batch
         users = list(range(first, first + args.batch))[par.rank::par.world_size]
+        if args.predict:                          # E[L], E[L²] of each rank's share of this step
+            everyone = data.__getitems__(list(range(first, first + args.batch)))
+            n = (everyone.offsets.diff() + everyone.cand_offsets.diff()).double()
+            moments.append([(float(n[r::par.world_size].mean()), float((n[r::par.world_size] ** 2).mean()))
+                            for r in range(par.world_size)])
         loss = model.loss(data.__getitems__(users))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -72,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         step_s.append(time.perf_counter() - t0)
     out = {"plan": par.describe(), "losses": losses, "grad_norms": grad_norms}
     if args.predict:
-        out.update(_predict(plan, cfg, args, env, step_s))
+        first = data.__getitems__(list(range(args.batch))[par.rank::par.world_size])
+        lengths = (first.offsets.diff() + first.cand_offsets.diff()).tolist()
+        out.update(_predict(plan, cfg, args, env, step_s, lengths, moments))
     if env["rank"] == 0:
         print(json.dumps(out), flush=True)
     if par.mesh is not None:
@@ -82,9 +89,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _predict(plan, cfg, args, env, step_s: list[float]) -> dict:
-    """Calibrated prediction of this run's step time (every rank measures: the all-reduce needs all)."""
-    from gemcore.planner.calibrate import calibrate_cluster
+def _predict(plan, cfg, args, env, step_s: list[float], lengths: list[int],
+             moments: list[list[tuple[float, float]]]) -> dict:
+    """Calibrated prediction of this run's step time (every rank measures: the collectives need all).
+
+    The calibration runs right after the steps, in the same processes, on this run's first local
+    batch (its sequence lengths incl. candidates), the run's attention backend and dtype (fp32)."""
+    import dataclasses
+
+    from gemcore.planner.calibrate import calibrate_cluster, measure
     from gemcore.planner.cluster import make_cluster
     from gemcore.planner.cost import estimate
     from gemcore.planner.models import ModelSpec
@@ -94,12 +107,27 @@ def _predict(plan, cfg, args, env, step_s: list[float]) -> dict:
                      seq_len=args.max_len, length_law="uniform", num_candidates=2,
                      embedding_rows=cfg.num_items, num_experts=cfg.moe_experts,
                      top_k=cfg.moe_top_k if cfg.moe_experts else 0)
-    cluster = make_cluster("h100", env["world_size"], env["local_world_size"])
-    cluster, rates = calibrate_cluster(cluster)
-    est = estimate(spec, cluster, plan, seq_len=args.max_len, global_batch=args.batch)
-    measured = sorted(step_s[1:] or step_s)[len(step_s[1:] or step_s) // 2]
-    return {"calibration": rates, "step_s_predicted": est.step_time_s, "step_s_measured": measured,
-            "predicted_over_measured": est.step_time_s / measured}
+    # the run is one micro-batch of the local users per step, eager PyTorch kernels
+    plan = dataclasses.replace(plan, mbs=max(1, args.batch // plan.dp))
+    cluster = dataclasses.replace(make_cluster("h100", env["world_size"], env["local_world_size"]),
+                                  kernels="eager")
+    rates = measure(spec, lengths=lengths, backend="reference")
+    cluster, summary = calibrate_cluster(cluster, rates, spec=spec)
+    # each step predicted at its own batch's lengths, on the rank whose share costs most (the others
+    # wait for it in the collectives); compared over the steps after the first
+    ests = [max((estimate(spec, cluster, plan, seq_len=args.max_len, global_batch=args.batch,
+                          length_moments=m) for m in per_rank), key=lambda e: e.step_time_s)
+            for per_rank in moments]
+    skip = 1 if len(step_s) > 1 else 0
+    predicted = sum(e.step_time_s for e in ests[skip:]) / len(ests[skip:])
+    measured = sum(step_s[skip:]) / len(step_s[skip:])
+    ratios = [e.step_time_s / t for e, t in zip(ests[skip:], step_s[skip:])]
+    est = ests[-1]
+    return {"calibration": summary, "step_s_predicted": predicted, "step_s_measured": measured,
+            "predicted_over_measured": predicted / measured,
+            "per_step_ratio_min_max": [min(ratios), max(ratios)],
+            "last_step_predicted_split_s": {"compute": est.compute_s, "host_overhead": est.host_overhead_s,
+                                  **est.comm_exposed_s}}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,77 @@
+"""``--calibrate``: the measured rates, the dtype and host-overhead terms of the cost model."""
+import dataclasses
+import math
+
+import pytest
+
+from gemcore.planner.calibrate import calibrate_cluster, measure
+from gemcore.planner.cluster import make_cluster
+from gemcore.planner.cost import _gemm_shape_factor, estimate
+from gemcore.planner.models import ModelSpec
+from gemcore.planner.plan import Plan
+
+SMALL = ModelSpec(name="small", kind="gem", num_layers=2, hidden=32, num_heads=4, num_kv_heads=4, ffn=64,
+                  seq_len=24, length_law="uniform", num_candidates=2, embedding_rows=300)
+
+
+def _cpu_cluster(**gpu_fields):
+    cluster = make_cluster("h100", 1, 1, kernels="eager")
+    return dataclasses.replace(cluster, gpu=dataclasses.replace(cluster.gpu, **gpu_fields))
+
+
+def test_host_overhead_adds_on_a_synchronous_device_and_hides_behind_gpu_compute():
+    plan = Plan(dp_shard=1, mbs=4)
+    base = estimate(SMALL, _cpu_cluster(), plan, global_batch=8)
+    fields = {"layer_overhead_s": 1e-3, "sequence_overhead_s": 2e-4, "step_overhead_s": 5e-3}
+    sync = estimate(SMALL, _cpu_cluster(host_synchronous=True, **fields), plan, global_batch=8)
+    n_mb, layers = 2, SMALL.num_layers
+    expected = n_mb * layers * (1e-3 + plan.mbs * 2e-4) + 5e-3
+    assert math.isclose(sync.step_time_s - base.step_time_s, expected, rel_tol=1e-9)
+    assert math.isclose(sync.host_overhead_s, expected, rel_tol=1e-9)
+    # asynchronous launches: only the part above the compute time shows
+    tiny = {"layer_overhead_s": 1e-12, "sequence_overhead_s": 0.0, "step_overhead_s": 0.0}
+    hidden = estimate(SMALL, _cpu_cluster(**tiny), plan, global_batch=8)
+    assert hidden.step_time_s == base.step_time_s and hidden.host_overhead_s == 0.0
+    shows = estimate(SMALL, _cpu_cluster(**fields), plan, global_batch=8)
+    assert math.isclose(shows.step_time_s, base.step_time_s + expected - base.compute_s, rel_tol=1e-9)
+
+
+def test_fp32_run_moves_twice_the_activation_bytes():
+    plan = Plan(dp_shard=1, mbs=4)
+    bf16 = estimate(SMALL, _cpu_cluster(), plan, global_batch=8)
+    fp32 = estimate(SMALL, _cpu_cluster(activation_bytes=4), plan, global_batch=8)
+    assert math.isclose(fp32.memory["activations"], 2 * bf16.memory["activations"], rel_tol=1e-12)
+    assert fp32.step_time_s > bf16.step_time_s
+    assert fp32.memory["optimizer"] == bf16.memory["optimizer"]     # fp32 master state either way
+
+
+def test_length_moments_override_is_used():
+    plan = Plan(dp_shard=1, mbs=8)
+    law = estimate(SMALL, _cpu_cluster(), plan, global_batch=8)
+    mean, sq = SMALL.length_moments(24)
+    same = estimate(SMALL, _cpu_cluster(), plan, global_batch=8, length_moments=(mean, sq))
+    longer = estimate(SMALL, _cpu_cluster(), plan, global_batch=8, length_moments=(2 * mean, 4 * sq))
+    assert same.step_time_s == law.step_time_s and longer.step_time_s > law.step_time_s
+    assert longer.tokens_per_step == 2 * law.tokens_per_step
+
+
+def test_measure_on_this_machine_and_calibrated_rates_reach_the_cost_model():
+    rates = measure(SMALL, lengths=[1, 5, 26, 13], backend="reference", size=128)
+    for key in ("gemm_flops", "gemm_flops_model", "attention_flops", "copy_bytes_per_s"):
+        assert math.isfinite(rates[key]) and rates[key] > 0, key
+    for key in ("sequence_overhead_s", "layer_overhead_s", "step_overhead_s"):
+        assert 0 <= rates[key] < 1.0, key
+    assert rates["activation_bytes"] == 4.0                          # CPU runs fp32
+    cluster, summary = calibrate_cluster(make_cluster("h100", 1, 1), rates, spec=SMALL)
+    g = cluster.gpu
+    assert g.activation_bytes == 4 and g.host_synchronous and g.layer_overhead_s == rates["layer_overhead_s"]
+    # the planner's GEMM rate at the model's thinnest side equals the rate measured on its layers
+    rate = cluster.sustained_peak_flops * g.gemm_efficiency * _gemm_shape_factor(32)
+    assert math.isclose(rate, rates["gemm_flops_model"], rel_tol=1e-9)
+    assert math.isclose(g.attention_efficiency * cluster.peak_flops, rates["attention_flops"], rel_tol=1e-9)
+    assert set(summary) == set(rates)
+
+
+def test_measure_rejects_an_unknown_backend():
+    with pytest.raises(ValueError, match="backend"):
+        measure(SMALL, lengths=[3], backend="nope", size=64)
