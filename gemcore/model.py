@@ -115,18 +115,31 @@ class GemModel(nn.Module):
         self.head = nn.Sequential(nn.Linear(2 * cfg.hidden, cfg.hidden), nn.SiLU(), nn.Linear(cfg.hidden, 1))
         self.apply(_init_weights)
 
-    def forward(self, batch: JaggedBatch) -> torch.Tensor:
+    def embed(self, batch: JaggedBatch):
+        """Per user [history events, candidates] as one jagged sequence.
+
+        Returns x: (T+C, hidden), seq_offsets: (B+1,), cand_pos: (C,) rows of x holding the
+        candidates, and cand_item: (C, hidden) the candidates' item embeddings (for :meth:`score`).
+        """
         hist = (self.item_emb(batch.item_ids) + self.action_emb(batch.actions)
                 + self.time_emb(batch.time_buckets))
         cand_item = self.item_emb(batch.cand_ids)
-        cand = cand_item + self.action_emb.weight[-1]
-        x, seq_offsets, cand_pos = merge_history_and_candidates(hist, batch.offsets, cand, batch.cand_offsets)
+        x, seq_offsets, cand_pos = merge_history_and_candidates(
+            hist, batch.offsets, cand_item + self.action_emb.weight[-1], batch.cand_offsets)
+        return x, seq_offsets, cand_pos, cand_item
+
+    def score(self, h: torch.Tensor, cand_item: torch.Tensor) -> torch.Tensor:
+        """Click logits (C,) from the candidates' final states h: (C, hidden) and item embeddings."""
+        h = self.final_norm(h)
+        # a fresh tensor, not a view: FSDP2 warns that in-place ops on a returned view skip its hooks
+        return self.head(torch.cat([h, h * cand_item], dim=-1)).squeeze(-1).clone()
+
+    def forward(self, batch: JaggedBatch) -> torch.Tensor:
+        x, seq_offsets, cand_pos, cand_item = self.embed(batch)
         num_targets = batch.cand_offsets.diff()
         for block in self.blocks:
             x = block(x, seq_offsets, num_targets, batch.max_len)
-        h = self.final_norm(x)[cand_pos]
-        # a fresh tensor, not a view: FSDP2 warns that in-place ops on a returned view skip its hooks
-        return self.head(torch.cat([h, h * cand_item], dim=-1)).squeeze(-1).clone()
+        return self.score(x[cand_pos], cand_item)
 
     def loss(self, batch: JaggedBatch) -> torch.Tensor:
         """Mean binary cross-entropy over the batch's candidates (0 for an empty batch)."""

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gemcore.data.dataset import JaggedBatch
-from gemcore.model import GemModel, merge_history_and_candidates
+from gemcore.model import GemModel
 
 
 def padded_layout(seq_offsets: torch.Tensor, num_targets: torch.Tensor, max_len: int):
@@ -44,17 +44,13 @@ class PaddedGemModel(nn.Module):
 
     def forward(self, batch: JaggedBatch) -> torch.Tensor:
         m = self.model
-        hist = m.item_emb(batch.item_ids) + m.action_emb(batch.actions) + m.time_emb(batch.time_buckets)
-        cand_item = m.item_emb(batch.cand_ids)
-        x, seq_offsets, cand_pos = merge_history_and_candidates(
-            hist, batch.offsets, cand_item + m.action_emb.weight[-1], batch.cand_offsets)
+        x, seq_offsets, cand_pos, cand_item = m.embed(batch)
         B, L, hidden = batch.batch_size, batch.max_len, x.shape[1]
         rows, mask = padded_layout(seq_offsets, batch.cand_offsets.diff(), L)
         padded = x.new_zeros(B * L, hidden).index_copy(0, rows, x).view(B, L, hidden)
         for block in m.blocks:
             padded = self._block(block, padded, mask)
-        h = m.final_norm(padded.reshape(B * L, hidden)[rows])[cand_pos]
-        return m.head(torch.cat([h, h * cand_item], dim=-1)).squeeze(-1)
+        return m.score(padded.reshape(B * L, hidden)[rows][cand_pos], cand_item)
 
     @staticmethod
     def _block(block, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

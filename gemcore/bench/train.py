@@ -149,12 +149,9 @@ def count_syncs(step, batches, device) -> float | None:
 
 def local_mfu(gem: GemModel, policy, batch, device, reps: int = 5) -> list[dict]:
     """GEM's local MFU: each layer type alone, forward + backward, on this batch's shapes."""
-    from gemcore.model import merge_history_and_candidates
-
-    hist = gem.item_emb(batch.item_ids).detach()
-    x, seq_offsets, _ = merge_history_and_candidates(hist, batch.offsets, gem.item_emb(batch.cand_ids).detach(),
-                                                     batch.cand_offsets)
-    x = x.detach().requires_grad_(True)
+    with torch.no_grad():
+        x, seq_offsets, _, _ = gem.embed(batch)
+    x = x.requires_grad_(True)
     T, hidden = x.shape
     block = gem.blocks[0]
     H = block.num_heads

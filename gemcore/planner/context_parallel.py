@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gemcore.kernels.jagged_attention_reference import ACTIVATIONS
-from gemcore.model import GemModel, merge_history_and_candidates
+from gemcore.model import GemModel
 
 
 class JaggedShare:
@@ -250,11 +250,7 @@ class ContextParallelGemModel(GemModel):
     def forward(self, batch) -> torch.Tensor:
         group = self.cp_group
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        hist = (self.item_emb(batch.item_ids) + self.action_emb(batch.actions)
-                + self.time_emb(batch.time_buckets))
-        cand_item = self.item_emb(batch.cand_ids)
-        cand = cand_item + self.action_emb.weight[-1]
-        x, seq_offsets, cand_pos = merge_history_and_candidates(hist, batch.offsets, cand, batch.cand_offsets)
+        x, seq_offsets, cand_pos, cand_item = self.embed(batch)
         num_targets = batch.cand_offsets.diff()
         cuts = split_rows(seq_offsets, num_targets, cp, attn_flops=self.cp_attn_flops,
                           row_flops=self.cp_row_flops)
@@ -264,8 +260,7 @@ class ContextParallelGemModel(GemModel):
             x = block(x, share, None, batch.max_len)
         bounds = torch.searchsorted(cand_pos, torch.tensor(cuts, device=cand_pos.device)).tolist()
         lo, hi = bounds[rank], bounds[rank + 1]
-        h = self.final_norm(x)[cand_pos[lo:hi] - share.start]
-        local = self.head(torch.cat([h, h * cand_item[lo:hi]], dim=-1)).squeeze(-1)
+        local = self.score(x[cand_pos[lo:hi] - share.start], cand_item[lo:hi])
         counts = [bounds[r + 1] - bounds[r] for r in range(cp)]
         return gather_rows(local[:, None], counts, group).squeeze(-1)
 
