@@ -143,9 +143,7 @@ class GemModel(nn.Module):
 
     def loss(self, batch: JaggedBatch) -> torch.Tensor:
         """Mean binary cross-entropy over the batch's candidates (0 for an empty batch)."""
-        logits = self(batch)
-        return F.binary_cross_entropy_with_logits(logits.float(), batch.labels, reduction="sum") / max(
-            batch.labels.numel(), 1)
+        return click_loss(self(batch), batch.labels)
 
     def dense_parameters(self) -> int:
         """Parameters touched by every token (embedding tables excluded), for FLOP counting."""
@@ -166,6 +164,11 @@ class GemModel(nn.Module):
             per_token -= self.cfg.num_blocks * (self.cfg.moe_experts - self.cfg.moe_top_k) * expert_params
         attention_fwd = 2.0 * sum_sq_len * self.cfg.hidden * self.cfg.num_blocks
         return 6.0 * per_token * num_tokens + 3.0 * attention_fwd
+
+
+def click_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean binary cross-entropy of logits (C,) against click labels (C,), in float32; 0 when C = 0."""
+    return F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="sum") / max(labels.numel(), 1)
 
 
 def merge_history_and_candidates(hist, offsets, cand, cand_offsets):

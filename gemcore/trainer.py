@@ -27,7 +27,7 @@ from gemcore import checkpoint
 from gemcore.config import Config
 from gemcore.data import JaggedDataset, load_user_data, make_synthetic
 from gemcore.metrics import auc, peak_flops
-from gemcore.model import GemModel
+from gemcore.model import GemModel, click_loss
 from gemcore.plugin_manager import GemPluginManager, PluginError
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -247,7 +247,8 @@ class Trainer:
         """One optimizer step; returns (loss, gradient norm before clipping or None), on device."""
         self.model.train()
         with self.parts.precision.autocast(self.device.type):
-            loss = self.model.loss(batch) if isinstance(self.model, GemModel) else _wrapped_loss(self.model, batch)
+            # through the (possibly wrapped) model's forward, so DDP/FSDP hooks see it
+            loss = click_loss(self.model(batch), batch.labels)
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()
         grad_norm = None
@@ -293,7 +294,11 @@ class Trainer:
         log_every = max(1, cfg.run.log_every)
         rows: list[dict[str, Any]] = []
         pending: list[dict[str, Any]] = []
-        batches = iter(self.sampler)
+        # num_workers=0: the loader asks the sampler for exactly one index list per step, so the
+        # sampler's state in a checkpoint is the data position (exact resume)
+        batches = iter(torch.utils.data.DataLoader(
+            self.train_data, batch_sampler=self.sampler, collate_fn=_collated,
+            pin_memory=self.device.type == "cuda"))
         metrics_file = (self.run_dir / "metrics.jsonl").open("a") if self.is_main else None
         t_start = t_last = time.perf_counter()
         steps_done, stopped = 0, "max_steps"
@@ -302,7 +307,7 @@ class Trainer:
                 if stop_after is not None and steps_done >= stop_after:
                     stopped = "stop_after"
                     break
-                batch = self.train_data.__getitems__(next(batches)).to(self.device)
+                batch = next(batches).to(self.device)
                 lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies
                 loss, grad_norm = self.train_step(batch)
                 self.step += 1
@@ -417,11 +422,9 @@ class Trainer:
         }
 
 
-def _wrapped_loss(model, batch):
-    """:meth:`GemModel.loss` through a wrapper's forward (DDP must see the forward to sync gradients)."""
-    logits = model(batch)
-    return torch.nn.functional.binary_cross_entropy_with_logits(
-        logits.float(), batch.labels, reduction="sum") / max(batch.labels.numel(), 1)
+def _collated(batch):
+    """JaggedDataset.__getitems__ already returns a collated JaggedBatch."""
+    return batch
 
 
 def run_dir_for(config: Config, resume: str | None) -> Path:

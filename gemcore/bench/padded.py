@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gemcore.data.dataset import JaggedBatch
-from gemcore.model import GemModel
+from gemcore.model import GemModel, click_loss
 
 
 def padded_layout(seq_offsets: torch.Tensor, num_targets: torch.Tensor, max_len: int):
@@ -62,6 +62,4 @@ class PaddedGemModel(nn.Module):
         return x + block.mlp(block.mlp_norm(x))
 
     def loss(self, batch: JaggedBatch) -> torch.Tensor:
-        logits = self(batch)
-        return F.binary_cross_entropy_with_logits(logits.float(), batch.labels, reduction="sum") / max(
-            batch.labels.numel(), 1)
+        return click_loss(self(batch), batch.labels)

@@ -37,12 +37,16 @@ class JaggedBatch:
         """Real tokens the model processes: history events plus candidates."""
         return self.item_ids.numel() + self.cand_ids.numel()
 
+    def _map(self, fn) -> "JaggedBatch":
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return JaggedBatch(**{k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in values.items()})
+
     def to(self, device, non_blocking: bool = True) -> "JaggedBatch":
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        for name, value in moved.items():
-            if isinstance(value, torch.Tensor):
-                moved[name] = value.to(device, non_blocking=non_blocking)
-        return JaggedBatch(**moved)
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "JaggedBatch":
+        """Called by DataLoader(pin_memory=True) so host-to-device copies can be asynchronous."""
+        return self._map(torch.Tensor.pin_memory)
 
 
 def time_bucket(gaps_s: np.ndarray, buckets: int) -> np.ndarray:
