@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     if par.mesh is not None:
         import torch.distributed as dist
 
+        # every rank past its last collective before any tears down: a rank destroying its gloo
+        # groups while a peer still has one in flight aborted that peer (SIGABRT) on a loaded CI box
+        dist.barrier()
         dist.destroy_process_group()
     return 0
 
