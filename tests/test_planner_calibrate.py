@@ -36,6 +36,42 @@ def test_host_overhead_adds_on_a_synchronous_device_and_hides_behind_gpu_compute
     assert math.isclose(shows.step_time_s, base.step_time_s + expected - base.compute_s, rel_tol=1e-9)
 
 
+def _two_rank_cluster(**gpu_fields):
+    cluster = make_cluster("h100", 2, 2, kernels="eager")
+    return dataclasses.replace(cluster, gpu=dataclasses.replace(cluster.gpu, host_synchronous=True,
+                                                                **gpu_fields))
+
+
+def test_collectives_on_busy_cores_hide_behind_nothing():
+    plan = Plan(dp_shard=2, mbs=4)
+    # slow links, so the FSDP collectives are long against the compute
+    slow = {"intra_node_gbps": 0.05, "inter_node_gbps": 0.05}
+    hidden = estimate(SMALL, _two_rank_cluster(**slow), plan, global_batch=8)
+    exposed = estimate(SMALL, _two_rank_cluster(comm_overlaps_compute=False, **slow), plan, global_batch=8)
+    assert exposed.comm_exposed_s["fsdp"] > hidden.comm_exposed_s["fsdp"]
+    assert exposed.compute_s == hidden.compute_s
+    # fully exposed: per micro-batch, 2 all-gathers and 1 reduce-scatter of every layer's weights
+    fast = {"intra_node_gbps": 1e6, "inter_node_gbps": 1e6, "link_latency_s": 1e-3}
+    latency_only = estimate(SMALL, _two_rank_cluster(comm_overlaps_compute=False, **fast), plan,
+                            global_batch=8)
+    units = SMALL.num_layers + 1                 # a unit per block and the root (embeddings, head)
+    n_mb = latency_only.num_microbatches
+    assert latency_only.comm_exposed_s["fsdp"] == pytest.approx(n_mb * 3 * 1e-3 * units, rel=0.01)
+
+
+def test_data_parallel_overheads_count_only_when_sharded():
+    fields = {"fsdp_layer_overhead_s": 2e-3, "data_parallel_step_overhead_s": 7e-3}
+    plan = Plan(dp_shard=2, mbs=2)
+    base = estimate(SMALL, _two_rank_cluster(), plan, global_batch=8)
+    more = estimate(SMALL, _two_rank_cluster(**fields), plan, global_batch=8)
+    n_mb = base.num_microbatches
+    assert more.step_time_s - base.step_time_s == pytest.approx(n_mb * SMALL.num_layers * 2e-3 + 7e-3)
+    one = estimate(SMALL, _cpu_cluster(host_synchronous=True, **fields), Plan(dp_shard=1, mbs=2),
+                   global_batch=8)
+    alone = estimate(SMALL, _cpu_cluster(host_synchronous=True), Plan(dp_shard=1, mbs=2), global_batch=8)
+    assert one.step_time_s == alone.step_time_s
+
+
 def test_fp32_run_moves_twice_the_activation_bytes():
     plan = Plan(dp_shard=1, mbs=4)
     bf16 = estimate(SMALL, _cpu_cluster(), plan, global_batch=8)

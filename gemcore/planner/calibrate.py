@@ -11,7 +11,9 @@ Everything is measured the way the run computes, in the run's dtype (bf16 on CUD
 * elementwise: ``a * b`` on one micro-batch's activation (T, hidden), bytes read + written per s;
 * host overhead: one GemModel block forward + backward on a single one-token sequence (per layer),
   and a one-block GemModel train step (embeddings, head, loss, clipping, AdamW) minus that block
-  (per step) — the time that does not scale with size;
+  (per step) — the time that does not scale with size; under a process group the same model
+  wrapped in FSDP2 the way the run is, for what sharding adds per layer and per step beyond the
+  collectives' bytes and latencies;
 * under a process group (``torchrun``): all-gather and reduce-scatter at the size FSDP2 moves per
   block (and at 1 KiB: the latency), and an all-reduce. Without one the link figures stay the
   GPU table's.
@@ -129,6 +131,58 @@ def _host_overheads(spec, backend: str, device: str, dtype: torch.dtype) -> tupl
     return layer_s, max(0.0, step_s - layer_s)
 
 
+def _sharded_overheads(spec, backend: str, device: str, dtype: torch.dtype, layer_s: float,
+                       step_s: float, latency_s: float) -> tuple[float, float]:
+    """(per FSDP layer, per step) seconds a data-parallel step adds beyond the collectives' bytes
+    and latencies, measured under the process group on the same one-token model as
+    :func:`_host_overheads`, wrapped the way the run is (FSDP2 per block and root, gemcore's
+    clipping, the loss averaged over the ranks): one- and two-block models give the per-layer
+    part (FSDP2's hooks, copy-in/copy-out, stream waits) and the rest per step. ``layer_s`` and
+    ``step_s`` are the unwrapped figures; the 2 all-gathers + 1 reduce-scatter per layer and the
+    root's are costed by the planner's collective terms (``latency_s`` each), so they are taken
+    out here."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from gemcore.config import AttentionConfig, ModelConfig
+    from gemcore.data.dataset import JaggedBatch
+    from gemcore.kernels.jagged_attention import make_attention
+    from gemcore.model import GemModel
+    from gemcore.planner.apply import apply_fsdp, clip_grad_norm_
+
+    heads = spec.num_heads if spec is not None else 4
+    attend = make_attention(AttentionConfig(), backend=backend)
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
+    off = torch.tensor([0, 1], device=device)
+    z = torch.zeros(1, device=device, dtype=torch.int64)
+    batch = JaggedBatch(item_ids=z, actions=z, time_buckets=z, offsets=off, cand_ids=z,
+                        cand_offsets=off, labels=torch.zeros(1, device=device), max_len=2, sum_sq_len=4)
+
+    def wrapped_step_s(blocks: int) -> float:
+        torch.manual_seed(0)
+        cfg = ModelConfig(num_items=16, hidden=2 * heads, num_blocks=blocks, num_heads=heads, mlp_ratio=2)
+        model = apply_fsdp(GemModel(cfg, attend).to(device=device, dtype=dtype), mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step():
+            loss = model.loss(batch)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            dist.all_reduce(loss.detach())
+
+        dist.barrier()
+        return _timed(step, repeats=21, budget_s=0.0)   # the same call count on every rank
+
+    one, two = wrapped_step_s(1), wrapped_step_s(2)
+    per_layer = max(0.0, two - one - layer_s)
+    per_step = max(0.0, one - (step_s + layer_s) - per_layer)
+    # the planner costs each unit's 3 FSDP collectives (a block's, and the root's once per step);
+    # the clipping and loss all-reduces stay in the per-step figure
+    return max(0.0, per_layer - 3 * latency_s), max(0.0, per_step - 3 * latency_s)
+
+
 def _collectives(layer_bytes: float, device: str) -> dict[str, float]:
     """All-gather + reduce-scatter at FSDP2's per-block size and at 1 KiB (latency), all-reduce."""
     import torch.distributed as dist
@@ -216,7 +270,19 @@ def measure(spec=None, *, lengths: list[int] | None = None, sequences: int = 16,
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         layer_weights = (sum(spec.layer_params) / spec.num_layers) if spec is not None else 2 ** 22
         out.update(_collectives(layer_weights * out["activation_bytes"], device))
+        fsdp_layer, dist_step = _sharded_overheads(spec, backend, device, dtype, layer_s, step_s,
+                                                   out["collective_latency_s"])
+        out["fsdp_layer_overhead_s"], out["data_parallel_step_overhead_s"] = fsdp_layer, dist_step
     return out
+
+
+def _spare_cores() -> bool:
+    """Whether this node's CPU ranks leave a core free for the collectives' threads."""
+    import os
+
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1")))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return ranks * torch.get_num_threads() < cores
 
 
 def calibrate_cluster(cluster: Cluster, rates: dict[str, float] | None = None, *,
@@ -243,7 +309,10 @@ def calibrate_cluster(cluster: Cluster, rates: dict[str, float] | None = None, *
         layer_overhead_s=rates.get("layer_overhead_s", 0.0),
         sequence_overhead_s=rates.get("sequence_overhead_s", 0.0),
         step_overhead_s=rates.get("step_overhead_s", 0.0),
-        host_synchronous=not torch.cuda.is_available())
+        fsdp_layer_overhead_s=rates.get("fsdp_layer_overhead_s", 0.0),
+        data_parallel_step_overhead_s=rates.get("data_parallel_step_overhead_s", 0.0),
+        host_synchronous=not torch.cuda.is_available(),
+        comm_overlaps_compute=torch.cuda.is_available() or _spare_cores())
     bus = rates.get("fsdp_busbw", rates.get("allreduce_busbw"))
     if bus:
         gpu = dataclasses.replace(gpu, intra_node_gbps=bus / 1e9, inter_node_gbps=bus / 1e9,

@@ -57,9 +57,17 @@ class GpuKind:
     layer_overhead_s: float = 0.0
     sequence_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
+    #: what data parallelism adds beyond its collectives' bytes and latencies (``--calibrate`` under a
+    #: process group): per FSDP-sharded layer and micro-batch (hooks, copy-in/out), and per step
+    fsdp_layer_overhead_s: float = 0.0
+    data_parallel_step_overhead_s: float = 0.0
     #: the device runs each op before the host issues the next (CPU): host overhead adds to compute;
     #: otherwise (GPU, asynchronous launches) only the part above the compute time shows
     host_synchronous: bool = False
+    #: collectives progress beside the compute (GPU: copy engines / NCCL's own SMs). False where the
+    #: collective threads take the cores the compute runs on (CPU ranks filling every core): then no
+    #: communication hides behind compute and every collective adds to the step
+    comm_overlaps_compute: bool = True
 
     @property
     def clock_factor(self) -> float:

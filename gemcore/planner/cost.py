@@ -339,7 +339,8 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
     kv_chunk = act_b * tokens_mb * model.kv_dim
     cp_layer = (cp - 1) * (kv_chunk * (1 + 2 + (1 if plan.ac == "full" else 0))
                            / cluster.group_bandwidth(cp, plan.stride(MeshAxis.CP))[0]) if cp > 1 else 0.0
-    cp_mb = stage_layers * max(0.0, cp_layer - t_attn / stage_layers)
+    overlap = g.comm_overlaps_compute
+    cp_mb = stage_layers * (max(0.0, cp_layer - t_attn / stage_layers) if overlap else cp_layer)
     ep_mb = 0.0
     if model.is_moe and ep > 1:
         send = act_b * tokens_mb / tp * model.top_k * h
@@ -353,29 +354,39 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
     dense_w = (stage_dense + edge) / tp
     expert_w = stage_expert / tp
 
-    def fsdp(weight_count: float, n: int, stride: int, gathers: int, scatters: int) -> float:
+    def fsdp(weight_count: float, n: int, stride: int, gathers: int, scatters: int, units: float) -> float:
+        """``units`` FSDP2 units (one collective each, so one latency each) holding ``weight_count``."""
         if n <= 1:
             return 0.0
+        more_latency = max(0.0, units - 1) * cluster.group_bandwidth(n, stride)[1]
         gather = ring_time(cluster, plan, MeshAxis.DP_SHARD, act_b * weight_count, size=n, stride=stride)
         scatter = ring_time(cluster, plan, MeshAxis.DP_SHARD, FP32 * weight_count, size=n, stride=stride)
-        return gathers * gather + scatters * scatter
+        return gathers * (gather + more_latency) + scatters * (scatter + more_latency)
 
     fsdp_n, fsdp_exp_n = plan.fsdp_size, plan.fsdp_size // ep
+    # one unit per block, plus the root (embeddings, head) on the stages that hold them
+    dense_units = stage_layers + (1 if edge else 0)
+    expert_units = math.ceil(model.moe_layers * frac) if model.is_moe else 0
     # FSDP2's copy-out after each all-gather and cast + copy-in before each reduce-scatter (HBM)
     copied = (dense_w if fsdp_n > 1 else 0.0) + (expert_w if fsdp_exp_n > 1 else 0.0)
     n_gather, n_scatter = (2 * n_mb, n_mb) if plan.reshard_after_forward else (1, 1)
     fsdp_copy_s = dtype_scale * copied * (n_gather * FSDP_GATHER_COPY_BYTES
                                           + n_scatter * FSDP_SCATTER_COPY_BYTES) / hbm
     if plan.reshard_after_forward:
-        fsdp_per_mb = (fsdp(dense_w, fsdp_n, tp, 2, 1) + fsdp(expert_w, fsdp_exp_n, tp * ep, 2, 1))
-        fsdp_exposed = n_mb * max(fsdp_per_mb - compute_mb, fsdp_per_mb / stage_layers)
+        fsdp_per_mb = (fsdp(dense_w, fsdp_n, tp, 2, 1, dense_units)
+                       + fsdp(expert_w, fsdp_exp_n, tp * ep, 2, 1, expert_units))
+        fsdp_exposed = n_mb * (max(fsdp_per_mb - compute_mb, fsdp_per_mb / stage_layers)
+                               if overlap else fsdp_per_mb)
     else:
-        gather = fsdp(dense_w, fsdp_n, tp, 1, 0) + fsdp(expert_w, fsdp_exp_n, tp * ep, 1, 0)
-        scatter = fsdp(dense_w, fsdp_n, tp, 0, 1) + fsdp(expert_w, fsdp_exp_n, tp * ep, 0, 1)
+        gather = (fsdp(dense_w, fsdp_n, tp, 1, 0, dense_units)
+                  + fsdp(expert_w, fsdp_exp_n, tp * ep, 1, 0, expert_units))
+        scatter = (fsdp(dense_w, fsdp_n, tp, 0, 1, dense_units)
+                   + fsdp(expert_w, fsdp_exp_n, tp * ep, 0, 1, expert_units))
         fsdp_exposed = (max(gather - compute_mb / 3, gather / stage_layers)
-                        + max(scatter - bwd_mb, scatter / stage_layers))
+                        + max(scatter - bwd_mb, scatter / stage_layers)) if overlap else gather + scatter
     replicate = ring_time(cluster, plan, MeshAxis.DP_REPLICATE, FP32 * local, all_reduce=True)
-    replicate_exposed = max(replicate - bwd_mb, replicate / stage_layers) if replicate else 0.0
+    replicate_exposed = ((max(replicate - bwd_mb, replicate / stage_layers) if overlap else replicate)
+                         if replicate else 0.0)
     embed_exposed = 0.0
     if model.kind == "gem":                       # looked-up rows there, their gradients back
         send = act_b * h * B * mean_len / cluster.gpus
@@ -389,8 +400,9 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
     compute_total = n_mb * compute_mb + optimizer_s + fsdp_copy_s
     # size-independent host time (Python, dispatcher, per-sequence attention loops): it adds to the
     # compute on a synchronous device; on a GPU only what the asynchronous launches cannot hide shows
-    host = (n_mb * stage_layers * (g.layer_overhead_s + plan.mbs * g.sequence_overhead_s)
-            + g.step_overhead_s)
+    host = (n_mb * stage_layers * (g.layer_overhead_s + plan.mbs * g.sequence_overhead_s
+                                   + (g.fsdp_layer_overhead_s if fsdp_n > 1 else 0.0))
+            + g.step_overhead_s + (g.data_parallel_step_overhead_s if cluster.gpus > 1 else 0.0))
     host_exposed = host if g.host_synchronous else max(0.0, host - compute_total)
     compute_total += host_exposed
     step = compute_total + sum(comm.values()) + bubble
