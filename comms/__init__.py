@@ -6,6 +6,11 @@ c = comms.init(backend="auto")    # "auto" | "single" | "torch" | "mpi" | "ce" |
 c.all_gather(t); c.reduce_scatter(t, op="sum"); c.all_reduce(t, op="avg")
 c.all_to_all(t, in_splits, out_splits); c.broadcast(t, src=0); c.barrier(); c.split(ranks)
 comms.finalize()
+
+comms.from_process_group(pg)                 # torch backend over an existing ProcessGroup (not owned)
+comms.group_communicator(pg, parent=None)    # the ranks of pg on parent's backend (default: init()'s)
+comms.current()                              # init()'s communicator, or None
+from gemcore.comms.autograd import all_to_all  # all_to_all(c, t, in_splits, out_splits), differentiable
 ```
 
 Built-in backends (offered to the ``communication`` hook point by ``gemcore.plugins.comms_backends``):
@@ -19,11 +24,12 @@ import sys
 import traceback
 from typing import Any, Callable
 
-from gemcore.comms.base import REDUCE_OPS, Communicator, CommsTimeout, MismatchError
+from gemcore.comms.base import DEFAULT_TIMEOUT_S, REDUCE_OPS, Communicator, CommsTimeout, MismatchError
 from gemcore.comms.launch import LaunchInfo, detect
 
-__all__ = ["init", "get", "finalize", "auto_backend", "BUILTIN_BACKENDS", "Communicator",
-           "CommsTimeout", "MismatchError", "LaunchInfo", "detect", "REDUCE_OPS"]
+__all__ = ["init", "get", "current", "finalize", "auto_backend", "from_process_group",
+           "group_communicator", "BUILTIN_BACKENDS", "Communicator", "CommsTimeout", "MismatchError",
+           "LaunchInfo", "detect", "REDUCE_OPS"]
 
 
 def _single(**options: Any) -> Communicator:
@@ -123,14 +129,77 @@ def finalize() -> None:
         comm.finalize()
 
 
+def from_process_group(group=None, *, timeout_s: float | None = DEFAULT_TIMEOUT_S,
+                       check: bool = True) -> Communicator:
+    """A ``torch``-backend communicator over an existing torch.distributed process group (None:
+    the default group), e.g. one dimension of a DeviceMesh (``mesh["dp_shard"].get_group()``).
+
+    Collective over ``group``. The communicator does not own the group: its ``finalize`` leaves
+    the group (and the default group) to whoever made them. It is not made current (see :func:`get`).
+    """
+    from gemcore.comms.torch_backend import TorchCommunicator
+    return TorchCommunicator.wrap(group, timeout_s=timeout_s, check=check)
+
+
+def current() -> Communicator | None:
+    """The communicator made by :func:`init`, or None when none is initialised."""
+    return _current
+
+
+def group_communicator(group, parent: Communicator | None = None, *,
+                       check: bool | None = None) -> Communicator:
+    """A communicator over the ranks of the process group ``group``, on ``parent``'s backend.
+
+    :param group: a torch.distributed ProcessGroup this rank belongs to (None: the default group).
+    :param parent: the job's communicator (default: the one :func:`init` made, if any). Its ranks
+        must be numbered as torch.distributed numbers them (the same launcher started both).
+    :param check: exchange call signatures (see :class:`Communicator`); None: the parent's
+        setting, on without a parent. Every rank must pass the same.
+    :return: with no parent, or a ``torch`` one: :func:`from_process_group` of ``group`` (collective
+        over ``group``; the parent's ``timeout_s``); with another backend (``mpi``, ``ce``, a
+        plugin's): ``parent.split`` to the group's ranks, collective over the whole parent, so every
+        rank of the parent must call this (each with its own group) — the way to run, say, expert
+        all-to-alls through MPI while FSDP talks through gloo.
+    """
+    import torch.distributed as dist
+
+    if parent is None:
+        parent = _current
+    if parent is not None and not isinstance(parent, Communicator):
+        raise ValueError(f"parent must be a gemcore.comms Communicator or None, got {type(parent).__name__}")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+    if check is None:
+        check = True if parent is None else parent.check
+    if parent is None or parent.backend == "torch":
+        options = {} if parent is None else {"timeout_s": parent.timeout_s}
+        return from_process_group(group, check=bool(check), **options)
+    world_rank, world_size = dist.get_rank(), dist.get_world_size()
+    if (parent.rank, parent.world_size) != (world_rank, world_size):
+        raise ValueError(f"parent: {parent.backend} communicator is rank {parent.rank} of "
+                         f"{parent.world_size}, torch.distributed rank {world_rank} of {world_size}: "
+                         f"the parent must span the same ranks in the same order")
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    sub = parent.split(ranks)
+    sub.check = bool(check)
+    if (sub.rank, sub.world_size) != (dist.get_rank(group), dist.get_world_size(group)):
+        raise RuntimeError(f"group_communicator: {parent.backend} split gave rank {sub.rank} of "
+                           f"{sub.world_size}, the process group says {dist.get_rank(group)} of "
+                           f"{dist.get_world_size(group)}")
+    return sub
+
+
 def _abort_hook(exc_type, exc, tb) -> None:
     comm = _current
     rank = comm.rank if comm is not None else "?"
     lines = traceback.format_exception(exc_type, exc, tb)
     text = "".join(lines).rstrip("\n").splitlines()
-    sys.stderr.write(f"[rank {rank}] unhandled {exc_type.__name__}; aborting the job\n")
-    sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text))
-    sys.stderr.flush()
+    # the process's own stderr: a hook installed later may capture sys.stderr around this one
+    # (torch.distributed's init_process_group buffers it, and the abort below would lose the buffer)
+    err = sys.__stderr__ or sys.stderr
+    err.write(f"[rank {rank}] unhandled {exc_type.__name__}; aborting the job\n")
+    err.write("".join(f"[rank {rank}] {line}\n" for line in text))
+    err.flush()
     if comm is not None:
         comm.abort(1)
     sys.__excepthook__(exc_type, exc, tb)

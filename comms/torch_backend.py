@@ -4,6 +4,12 @@ Rendezvous: under ``torchrun`` (or any ``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` e
 through ``env://``; under ``mpirun`` rank 0 picks an address and a free port and broadcasts them
 with MPI (mpi4py); a single process uses an in-memory store. An already initialised default
 process group is reused (and then left to its owner at finalize).
+
+:meth:`TorchCommunicator.wrap` (``gemcore.comms.from_process_group``) makes a communicator over an
+existing process group, for example one dimension of a ``DeviceMesh``; the group stays its
+creator's (``finalize`` leaves it). A group whose only backend is NCCL cannot move CPU tensors, so
+CPU tensors (the communicator's own split counts and call signatures among them) are staged
+through the current CUDA device there.
 """
 from __future__ import annotations
 
@@ -53,6 +59,7 @@ class TorchCommunicator(Communicator):
             raise RuntimeError(f"backend 'torch': the process group says rank {rank} of {world} but "
                                f"{launch.launcher} says rank {launch.rank} of {launch.world_size}")
         self._ranks = list(range(world))
+        self._stage = _staging_device(None)
         self._set_place(rank, world, launch.local_rank)
 
     @classmethod
@@ -62,40 +69,90 @@ class TorchCommunicator(Communicator):
         sub.group, sub._owns_default = group, False
         sub._ranks = [parent._ranks[m] for m in members]
         sub._set_place(rank, len(members), peers=parent._sub_peers(members))
+        sub._stage = _staging_device(group)
         return sub
 
+    @classmethod
+    def wrap(cls, group=None, *, timeout_s: float | None = DEFAULT_TIMEOUT_S,
+             check: bool = True) -> "TorchCommunicator":
+        """A communicator over the existing process group ``group`` (None: the default group).
+
+        Collective over ``group`` (its ranks exchange their node and local rank). The group is not
+        owned: ``finalize`` leaves it to its creator. ``timeout_s`` is recorded; the group's own
+        timeout, fixed when it was made, is what bounds its collectives.
+        """
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("from_process_group: torch.distributed is not initialised")
+        if group is not None and group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", object()):
+            raise ValueError("group: this rank is not a member of the process group")
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise ValueError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+        if group is not None and dist.get_rank(group) < 0:
+            raise ValueError("group: this rank is not a member of the process group")
+        comm = cls.__new__(cls)
+        Communicator.__init__(comm, timeout_s=timeout_s, check=check)
+        comm.group, comm._owns_default = group, False
+        comm._ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        comm._stage = _staging_device(group)
+        comm._set_place(dist.get_rank(group), dist.get_world_size(group), detect().local_rank)
+        return comm
+
     # ------------------------------------------------------------------ collectives
-    def _all_gather_impl(self, t: torch.Tensor) -> torch.Tensor:
+    def _all_gather_direct(self, t: torch.Tensor) -> torch.Tensor:
         out = t.new_empty((self.world_size * t.shape[0], *t.shape[1:]))
         if t.numel():
             _all_gather_single(out, t, group=self.group)
         return out
 
-    def _reduce_scatter_impl(self, t: torch.Tensor, op: str) -> torch.Tensor:
+    def _reduce_scatter_direct(self, t: torch.Tensor, op: str) -> torch.Tensor:
         out = t.new_empty((t.shape[0] // self.world_size, *t.shape[1:]))
         if t.numel():
             _reduce_scatter_single(out, t, op=_op(op), group=self.group)
         return _finish_avg(out, op, self.world_size)
 
-    def _all_reduce_impl(self, t: torch.Tensor, op: str) -> torch.Tensor:
+    def _all_reduce_direct(self, t: torch.Tensor, op: str) -> torch.Tensor:
         out = t.clone()
         if t.numel():
             dist.all_reduce(out, op=_op(op), group=self.group)
         return _finish_avg(out, op, self.world_size)
 
-    def _all_to_all_impl(self, t: torch.Tensor, in_splits: list[int], out_splits: list[int]) -> torch.Tensor:
+    def _all_to_all_direct(self, t: torch.Tensor, in_splits: list[int], out_splits: list[int]) -> torch.Tensor:
         out = t.new_empty((sum(out_splits), *t.shape[1:]))
         dist.all_to_all_single(out, t, output_split_sizes=out_splits, input_split_sizes=in_splits,
                                group=self.group)
         return out
 
-    def _broadcast_impl(self, t: torch.Tensor, src: int) -> None:
+    def _broadcast_direct(self, t: torch.Tensor, src: int) -> torch.Tensor:
         if t.numel():
             dist.broadcast(t, src=self._ranks[src], group=self.group)
+        return t
+
+    # CPU tensors travel through the staging device on groups that cannot move them (NCCL only)
+    def _staged(self, direct, t: torch.Tensor, *args) -> torch.Tensor:
+        if self._stage is None or t.device.type != "cpu":
+            return direct(t, *args)
+        return direct(t.to(self._stage), *args).cpu()
+
+    def _all_gather_impl(self, t: torch.Tensor) -> torch.Tensor:
+        return self._staged(self._all_gather_direct, t)
+
+    def _reduce_scatter_impl(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        return self._staged(self._reduce_scatter_direct, t, op)
+
+    def _all_reduce_impl(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        return self._staged(self._all_reduce_direct, t, op)
+
+    def _all_to_all_impl(self, t: torch.Tensor, in_splits: list[int], out_splits: list[int]) -> torch.Tensor:
+        return self._staged(self._all_to_all_direct, t, in_splits, out_splits)
+
+    def _broadcast_impl(self, t: torch.Tensor, src: int) -> None:
+        out = self._staged(self._broadcast_direct, t, src)
+        if out.data_ptr() != t.data_ptr():
+            t.copy_(out)
 
     def _barrier_impl(self) -> None:
-        # a CPU all-reduce (gloo) instead of dist.barrier: NCCL's barrier needs a device per rank
-        dist.all_reduce(torch.zeros(1), group=self.group)
+        # a small all-reduce instead of dist.barrier: NCCL's barrier needs a device per rank
+        self._all_reduce_impl(torch.zeros(1), "sum")
 
     def _split_impl(self, groups: list[list[int]], index: int) -> Communicator:
         # Only this group's members create it (group-local synchronisation), so a split of a
@@ -108,6 +165,15 @@ class TorchCommunicator(Communicator):
     def _finalize_impl(self) -> None:
         if self._owns_default and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _staging_device(group) -> torch.device | None:
+    """The CUDA device CPU tensors go through on ``group`` (None: the group moves CPU tensors)."""
+    name = str(dist.get_backend(group)).lower()
+    cuda_only = name == "nccl" or (":" in name and "cpu:" not in name and "nccl" in name)
+    if not cuda_only:
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _op(op: str):

@@ -6,10 +6,18 @@ module; model.py stays free of parallelism code). Forward, per MoE layer, on ``T
 
 1. route as MoEMLP does (softmax, top-k, renormalised weights), sort the ``T·k`` assignments by
    expert (experts of rank ``r`` are ``[r·E/ep, (r+1)·E/ep)``, so the sort also groups by rank);
-2. exchange the per-expert counts (one small all-to-all), then the token rows themselves
-   (``torch.distributed.nn.functional.all_to_all_single``, which carries gradients back);
+2. exchange the per-expert counts (one small all-to-all), then the token rows themselves;
 3. regroup the received rows by local expert, run each expert, undo the regrouping;
 4. send the outputs back (the reverse all-to-all), weight them and add them to their tokens.
+
+Every exchange goes through gemcore's communication layer: a :class:`gemcore.comms.Communicator`
+over the ep ranks and :func:`gemcore.comms.autograd.all_to_all`, whose backward is the reverse
+all-to-all of the gradient. ``apply_ep`` takes the ep ProcessGroup (a DeviceMesh dimension) and
+gets its communicator from :func:`gemcore.comms.group_communicator`: the job's communicator
+(``comms.init``, the ``comms.backend`` setting) split to the group's ranks when it is not
+``torch`` (so under mpirun with ``comms.backend = "mpi"`` the expert all-to-alls run through MPI
+while FSDP talks through gloo), else the torch backend over the group itself. A Communicator may
+be passed instead of the group.
 
 Gradients: an expert's gradient on its owner sums the contributions of every ep rank's tokens,
 while FSDP averages dense gradients over the ``dp`` data-parallel ranks; a hook divides expert
@@ -19,26 +27,61 @@ their norms over the ep group.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.nn.functional import all_to_all_single
 
-#: attribute set on expert parameters: the process group their experts are spread over
+from gemcore.comms import Communicator, current, group_communicator
+from gemcore.comms.autograd import all_to_all
+
+log = logging.getLogger("gemcore.planner.expert_parallel")
+
+#: attribute set on expert parameters: the group their experts are spread over (the ep
+#: ProcessGroup when there is one, else the Communicator); gradient clipping sums norms over it
 EP_GROUP_ATTR = "_gemcore_ep_group"
 
 
+def ep_communicator(group, parent: Communicator | None = None) -> tuple[Communicator, object]:
+    """The ep ranks as (communicator, what ``EP_GROUP_ATTR`` marks expert parameters with).
+
+    ``group`` a ProcessGroup (None: the default group): :func:`gemcore.comms.group_communicator`
+    ``(group, parent)`` (``parent`` default: the job's communicator, ``comms.current()``; with
+    none, the torch backend over the group with ``check=False``) and the group itself. ``group`` a
+    Communicator: itself, and its torch process group when it is a ``torch`` one (else itself).
+    """
+    if isinstance(group, Communicator):
+        if group.backend == "torch" and hasattr(group, "group"):   # group None: the default group
+            return group, group.group if group.group is not None else dist.group.WORLD
+        return group, group
+    if group is None or isinstance(group, dist.ProcessGroup):
+        parent = parent if parent is not None else current()
+        # without a job communicator no comms.check setting applies: the counts exchange already
+        # makes the ranks' splits agree, so skip the two small signature/split collectives per call
+        comm = group_communicator(group, parent, check=None if parent is not None else False)
+        return comm, group if group is not None else dist.group.WORLD
+    raise ValueError(f"group must be a torch.distributed ProcessGroup or a gemcore.comms Communicator, "
+                     f"got {type(group).__name__}")
+
+
 class ExpertParallelMoE(nn.Module):
-    """The experts of ``moe`` (a MoEMLP: ``router``, ``experts``, ``top_k``) spread over ``group``.
+    """The experts of ``moe`` (a MoEMLP: ``router``, ``experts``, ``top_k``) spread over the ep
+    ranks: ``group`` is their ProcessGroup or a :class:`gemcore.comms.Communicator` (see
+    :func:`ep_communicator`; ``comm`` is the parent a ProcessGroup's communicator is split from).
+    ``data_parallel_size``: ranks over which dense gradients are averaged.
 
     x: (T, hidden) -> (T, hidden), the same function as ``moe`` on the same tokens.
     """
 
-    def __init__(self, moe: nn.Module, group, data_parallel_size: int):
+    def __init__(self, moe: nn.Module, group, data_parallel_size: int, *, comm: Communicator | None = None):
         super().__init__()
-        self.group = group
-        self.ep = dist.get_world_size(group)
-        self.ep_rank = dist.get_rank(group)
+        dp = data_parallel_size
+        if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+            raise ValueError(f"data_parallel_size must be a positive int, got {data_parallel_size!r}")
+        self.comm, self.group = ep_communicator(group, comm)
+        self.ep = self.comm.world_size
+        self.ep_rank = self.comm.rank
         self.num_experts = len(moe.experts)
         if self.num_experts % self.ep:
             raise ValueError(f"ep={self.ep} must divide the experts ({self.num_experts})")
@@ -49,7 +92,7 @@ class ExpertParallelMoE(nn.Module):
         self.experts = nn.ModuleList(moe.experts[first:first + self.local_experts])
         scale = 1.0 / data_parallel_size
         for p in self.experts.parameters():
-            setattr(p, EP_GROUP_ATTR, group)
+            setattr(p, EP_GROUP_ATTR, self.group)
             p.register_hook(lambda g, s=scale: g * s)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -60,14 +103,13 @@ class ExpertParallelMoE(nn.Module):
         order = flat_expert.argsort(stable=True)                                 # by expert = by rank
         rows = order // k
         counts = torch.bincount(flat_expert, minlength=E)                        # (E,) sent per expert
-        recv_counts = torch.empty_like(counts)                                   # (ep * local,) [src][e]
-        dist.all_to_all_single(recv_counts, counts, group=self.group)
+        per_rank = [local] * ep
+        recv_counts = all_to_all(self.comm, counts, per_rank, per_rank)          # (ep * local,) [src][e]
         send_splits = counts.view(ep, local).sum(1).tolist()
         blocks = recv_counts.view(ep, local)
         recv_splits = blocks.sum(1).tolist()
 
-        received = all_to_all_single(x.new_empty(sum(recv_splits), x.shape[1]), x[rows],
-                                     recv_splits, send_splits, group=self.group)
+        received = all_to_all(self.comm, x[rows], send_splits, recv_splits)     # (sum(recv_splits), hidden)
         # received rows are grouped [source][local expert]; regroup them [local expert][source]
         pieces = torch.arange(received.shape[0], device=x.device).split(blocks.reshape(-1).tolist())
         regroup = torch.cat([pieces[s * local + e] for e in range(local) for s in range(ep)]
@@ -77,22 +119,33 @@ class ExpertParallelMoE(nn.Module):
         for e, chunk in zip(self.experts, grouped.split(blocks.sum(0).tolist())):
             outputs.append(e(chunk) if chunk.numel() else chunk)
         done = torch.cat(outputs)[regroup.argsort()] if outputs else grouped
-        back = all_to_all_single(x.new_empty(rows.shape[0], x.shape[1]), done,
-                                 send_splits, recv_splits, group=self.group)
+        back = all_to_all(self.comm, done, recv_splits, send_splits)            # (T·k, hidden)
         y = back * weights.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add(0, rows, y.to(x.dtype))
 
 
-def apply_ep(model: nn.Module, group, data_parallel_size: int) -> nn.Module:
+def apply_ep(model: nn.Module, group, data_parallel_size: int, *,
+             comm: Communicator | None = None) -> nn.Module:
     """Replace every block's MoE (a module with ``router`` and ``experts``) by an
-    :class:`ExpertParallelMoE` over ``group``; raises if the model has no experts."""
-    swapped = []
-    for i, block in enumerate(model.blocks):
-        if hasattr(block.mlp, "experts") and hasattr(block.mlp, "router"):
-            block.mlp = ExpertParallelMoE(block.mlp, group, data_parallel_size)
-            swapped.append(i)
-    if not swapped:
-        raise ValueError(f"ep={dist.get_world_size(group)} needs a model with experts (model.moe_experts > 0)")
+    :class:`ExpertParallelMoE`; raises if the model has no experts. Collective: every rank calls it.
+
+    :param group: the ep ProcessGroup (e.g. ``mesh["dp_shard"].get_group()``) or a Communicator.
+    :param data_parallel_size: ranks that average dense gradients (expert gradients are divided by it).
+    :param comm: the job's communicator a ProcessGroup's ranks are split from (default: the one
+        ``gemcore.comms.init`` made, if any; else the torch backend over ``group`` itself).
+    One communicator, made here, serves every MoE layer.
+    """
+    moes = [i for i, b in enumerate(model.blocks) if hasattr(b.mlp, "experts") and hasattr(b.mlp, "router")]
+    if not moes:
+        size = group.world_size if isinstance(group, Communicator) else dist.get_world_size(group)
+        raise ValueError(f"ep={size} needs a model with experts (model.moe_experts > 0)")
+    ep_comm, mark = ep_communicator(group, comm)
+    for i in moes:
+        block = model.blocks[i]
+        block.mlp = ExpertParallelMoE(block.mlp, ep_comm, data_parallel_size)
+        for p in block.mlp.experts.parameters():   # the ProcessGroup, for clip_grad_norm_
+            setattr(p, EP_GROUP_ATTR, mark)
+    log.info("ep=%d through %s on blocks %s", ep_comm.world_size, ep_comm.describe(), moes)
     return model
 
 
@@ -101,4 +154,4 @@ def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
     return {p for p in model.parameters() if hasattr(p, EP_GROUP_ATTR)}
 
 
-__all__ = ["ExpertParallelMoE", "apply_ep", "expert_parameters", "EP_GROUP_ATTR"]
+__all__ = ["ExpertParallelMoE", "apply_ep", "ep_communicator", "expert_parameters", "EP_GROUP_ATTR"]
