@@ -3,7 +3,9 @@
 Data flow: Config -> plugin manager resolves one implementation per hook point -> GemModel (with
 the attention implementation) -> precision policy -> parallelism -> AdamW + warm-up/cosine ->
 the selected batch sampler (each rank reads only its own samples) -> steps -> metrics.jsonl /
-checkpoint.pt / summary.json / curves.png in the run folder (written by rank 0 only).
+checkpoint.pt / summary.json / curves.png in the run folder (written by rank 0 only). A pipelined
+model (pp > 1: it has ``forward_backward``) trains through that method, its checkpoint is merged
+from the stages (gemcore/planner/pipeline_parallel.py) and global rank 0 writes.
 
 Resume is exact: the checkpoint holds the model, optimizer, LR schedule, gradient scaler, sampler
 and RNG states and the step, and the loop consumes exactly one sampler step per optimizer step, so
@@ -159,7 +161,10 @@ class Trainer:
             self.optimizer, lambda s: lr_factor(s, t.warmup_steps, config.run.max_steps, t.min_lr_ratio))
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.parts.precision.compute_dtype == torch.float16)
         par = self.parts.parallelism
-        self.is_main = par.rank == 0
+        # a pipeline (pp > 1) steps through forward_backward and holds one stage's parameters per
+        # rank; its checkpoint is merged on the first stage's rank
+        self.pipelined = callable(getattr(self.model, "forward_backward", None))
+        self.is_main = par.rank == 0 and (not self.pipelined or torch.distributed.get_rank() == 0)
         options = {"cost": sample_cost,
                    "sub_batch": getattr(config.data, "sub_batch", 128)}
         self.sampler = self.parts.sampler_factory(
@@ -178,12 +183,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _distributed(self) -> bool:
-        return self.parts.parallelism.world_size > 1 and torch.distributed.is_initialized()
+        """More than one process holds the model (data-parallel ranks, or pipeline stages)."""
+        return (self.parts.parallelism.world_size > 1 or self.pipelined) and torch.distributed.is_initialized()
 
     def state_dict(self) -> dict[str, Any]:
         """The whole training state; under torch.distributed a collective (every rank calls it),
         gathering sharded (FSDP2) or wrapped (DDP) model and optimizer states into full ones."""
-        if self._distributed():
+        if self.pipelined:
+            from gemcore.planner.pipeline_parallel import pipeline_state_dict
+
+            model_state, optim_state = pipeline_state_dict(self.model, self.optimizer)
+        elif self._distributed():
             from torch.distributed.checkpoint import state_dict as dcp
 
             options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -205,7 +215,11 @@ class Trainer:
         """Restore a checkpoint; errors (another config, wrong shapes) name the file."""
         checkpoint.check_config(state["config"], self.config.to_dict(), path)
         try:
-            if self._distributed():
+            if self.pipelined:
+                from gemcore.planner.pipeline_parallel import load_pipeline_state_dict
+
+                load_pipeline_state_dict(self.model, self.optimizer, state["model"], state["optimizer"])
+            elif self._distributed():
                 from torch.distributed.checkpoint import state_dict as dcp
 
                 dcp.set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
@@ -246,11 +260,16 @@ class Trainer:
     def train_step(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One optimizer step; returns (loss, gradient norm before clipping or None), on device."""
         self.model.train()
-        with self.parts.precision.autocast(self.device.type):
-            # through the (possibly wrapped) model's forward, so DDP/FSDP hooks see it
-            loss = click_loss(self.model(batch), batch.labels)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scaler.scale(loss).backward()
+        if self.pipelined:  # the schedule interleaves micro-batches' forwards and backwards
+            self.optimizer.zero_grad(set_to_none=True)
+            with self.parts.precision.autocast(self.device.type):
+                loss = self.model.forward_backward(batch, scale=self.scaler.scale)
+        else:
+            with self.parts.precision.autocast(self.device.type):
+                # through the (possibly wrapped) model's forward, so DDP/FSDP hooks see it
+                loss = click_loss(self.model(batch), batch.labels)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scaler.scale(loss).backward()
         grad_norm = None
         if self.config.train.grad_clip:
             self.scaler.unscale_(self.optimizer)
@@ -349,7 +368,7 @@ class Trainer:
         if not limit:
             return False
         late = elapsed_s > limit
-        if self.parts.parallelism.world_size > 1:
+        if self.parts.parallelism.world_size > 1 or self.pipelined:
             flag = torch.tensor([1.0 if late else 0.0], device=self.device)
             late = float(self.parts.parallelism.all_reduce_mean(flag).item()) > 0.0
         return late

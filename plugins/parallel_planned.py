@@ -7,8 +7,14 @@ localhost:29500). Backend: nccl on CUDA, gloo otherwise.
 * ``fsdp``: every rank in dp_shard (FSDP2 over the world).
 * ``planned``: the degrees in ``parallelism.degrees`` (e.g. ``"dp_shard=2,tp=2"``), or the
   ``GEMCORE_PARALLEL_DEGREES`` environment variable while the config section lacks that key.
-* ``auto``: the planner's best plan among those gemcore can apply (no pp; ep only = dp_shard) for the model
-  of this run (``gemcore_configure`` hands it over) on the GPUs launched.
+* ``auto``: the planner's best plan among those gemcore can apply (pp only beside dp_shard/dp_replicate;
+  ep only = dp_shard) for the model of this run (``gemcore_configure`` hands it over) on the GPUs
+  launched.
+
+With pp > 1, ``apply`` returns a :class:`~gemcore.planner.pipeline_parallel.PipelinedGemModel`
+(this rank's stages): the trainer and the smoke run call its ``forward_backward(batch)`` instead
+of ``forward`` + ``backward``, and :meth:`PlannedParallelism.clip_grad_norm_` sums the gradient norm
+over the stages.
 """
 from __future__ import annotations
 
@@ -87,13 +93,22 @@ class PlannedParallelism(Parallelism):
 
     def describe(self) -> str:
         degrees = ", ".join(f"{k}={v}" for k, v in self.plan.degrees().items() if v > 1) or "1 process"
-        return f"planned: {degrees}, ac={self.plan.ac} ({self.env['world_size']} ranks)"
+        pipeline = ""
+        if self.plan.pp > 1:
+            pipeline = f", schedule={self.plan.schedule}, v={self.plan.virtual_stages}, mbs={self.plan.mbs}"
+        return f"planned: {degrees}, ac={self.plan.ac}{pipeline} ({self.env['world_size']} ranks)"
 
     def clip_grad_norm_(self, parameters, max_norm: float) -> torch.Tensor:
-        """Gradient clipping that works when TP and FSDP leave DTensors on several meshes."""
+        """Gradient clipping that works when TP and FSDP leave DTensors on several meshes, and
+        across pipeline stages (each holds its own parameters)."""
         from gemcore.planner.apply import clip_grad_norm_
 
-        return clip_grad_norm_(parameters, max_norm)
+        pp_group = None
+        if self.mesh is not None and self.plan.pp > 1:
+            from gemcore.planner.plan import MeshAxis
+
+            pp_group = self.mesh[MeshAxis.PP.value].get_group()
+        return clip_grad_norm_(parameters, max_norm, pp_group=pp_group)
 
     def all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         if self.mesh is None:

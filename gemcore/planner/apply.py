@@ -13,8 +13,11 @@ expert: gate_up column-wise, down row-wise; attention projections too when the b
 spread over dp_shard, tokens moved by all-to-all), cp (context_parallel.py: each cp rank runs
 the blocks on a cost-balanced contiguous share of the batch's rows; the cp ranks join the FSDP
 mesh as ``dp_shard_cp``), ac (``checkpoint_wrapper`` per block).
-pp > 1, and ep beside expert FSDP/replicas, TP or cp, are planned and costed but not applied:
-:func:`check_supported` says so.
+pp (pipeline_parallel.py: the blocks cut into pp x virtual_stages stages run by a
+torch.distributed.pipelining schedule, each stage FSDP2-sharded over dp_shard / HSDP); with pp the
+order is ``build_mesh`` -> ``apply_ac`` (on the whole model) -> ``apply_pipeline`` (split, then FSDP
+per stage). pp beside tp, cp or ep, and ep beside expert FSDP/replicas, TP or cp, are planned and
+costed but not applied: :func:`check_supported` says so.
 """
 from __future__ import annotations
 
@@ -28,13 +31,18 @@ from gemcore.planner.plan import MESH_ORDER, MeshAxis, Plan
 log = logging.getLogger("gemcore.planner.apply")
 
 
-def check_supported(plan: Plan) -> list[str]:
-    """What in ``plan`` this module cannot apply yet (empty: all of it)."""
+def check_supported(plan: Plan, num_blocks: int | None = None) -> list[str]:
+    """What in ``plan`` this module cannot apply yet (empty: all of it). ``num_blocks``: the
+    model's blocks, when known (pipeline stages hold equal block counts)."""
     missing = []
-    if plan.pp > 1:
-        missing.append(f"pp={plan.pp} (planned and costed, not applied: GemModel's jagged micro-batches "
-                       "change their token count every step, and torch.distributed.pipelining stages "
-                       "exchange fixed shapes; see docs/planner.md)")
+    stages = plan.pp * plan.virtual_stages
+    if plan.pp > 1 and num_blocks is not None and num_blocks % stages:
+        missing.append(f"pp × virtual_stages = {plan.pp} × {plan.virtual_stages} = {stages} (must divide the "
+                       f"model's blocks, model.num_blocks = {num_blocks})")
+    if plan.pp > 1 and (plan.tp > 1 or plan.cp > 1 or plan.ep > 1):
+        missing.append(f"pp={plan.pp} with tp={plan.tp}, cp={plan.cp}, ep={plan.ep} (pipeline parallelism is "
+                       "applied beside dp_shard/dp_replicate only: a stage's blocks are not tensor-, context- "
+                       "or expert-parallel yet)")
     if plan.ep > 1 and (plan.ep != plan.dp_shard or plan.tp > 1 or plan.dp_replicate > 1 or plan.cp > 1):
         missing.append(f"ep={plan.ep} with dp_shard={plan.dp_shard}, tp={plan.tp}, "
                        f"dp_replicate={plan.dp_replicate}, cp={plan.cp} (expert parallelism is applied only "
@@ -133,7 +141,7 @@ def apply_fsdp(model: nn.Module, dp_mesh, *, reshard_after_forward: bool = True,
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for models whose parameters mix plain tensors and
     DTensors on different meshes (TP-sharded MLPs beside replicated norms, FSDP over both).
 
@@ -141,7 +149,8 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     total is the 2-norm of those, and every gradient is scaled by min(1, max_norm / total).
     One small collective per DTensor gradient: fine for gemcore's block counts. Expert-parallel
     parameters (``EP_GROUP_ATTR``) hold different experts on each rank: their squared norms are
-    summed over their group.
+    summed over their group. ``pp_group``: pipeline stages hold different parameters, so the
+    squared total is summed over it (every rank gets the whole model's norm).
     """
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -149,7 +158,7 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     from gemcore.planner.expert_parallel import EP_GROUP_ATTR
 
     params = [p for p in parameters if p.grad is not None]
-    if not params:
+    if not params and pp_group is None:
         return torch.zeros(())
     norms, spread = [], {}
     for p in params:
@@ -163,7 +172,11 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
         total_sq = torch.stack(squares).sum()
         dist.all_reduce(total_sq, group=group)
         norms.append(total_sq.sqrt())
-    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms])) if norms else torch.zeros(())
+    if pp_group is not None:
+        total_sq = total.reshape(()) ** 2
+        dist.all_reduce(total_sq, group=pp_group)
+        total = total_sq.sqrt()
     grads = [p.grad for p in params]
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
@@ -191,6 +204,8 @@ def apply_plan(model: nn.Module, plan: Plan, device: torch.device, mesh=None, *,
     if missing:
         raise ValueError("parallelism: cannot apply " + "; ".join(missing))
     mesh = mesh if mesh is not None else build_mesh(plan, device.type)
+    if plan.pp > 1:
+        return _apply_pp(model, plan, device, mesh)
     model = model.to(device)
     model = apply_tp(model, mesh[MeshAxis.TP.value])
     ignored = None
@@ -210,6 +225,18 @@ def apply_plan(model: nn.Module, plan: Plan, device: torch.device, mesh=None, *,
         model = apply_fsdp(model, fsdp_mesh(mesh, plan), reshard_after_forward=plan.reshard_after_forward,
                            ignored_params=ignored)
     return model
+
+
+def _apply_pp(model: nn.Module, plan: Plan, device: torch.device, mesh) -> nn.Module:
+    """pp > 1 (alone or beside dp_shard/dp_replicate): recompute per block on the whole model, then
+    split into stages with FSDP2 per stage (pipeline_parallel.py)."""
+    from gemcore.planner.pipeline_parallel import apply_pipeline
+
+    model = apply_ac(model, plan.ac)
+    dp_mesh = fsdp_mesh(mesh, plan) if plan.dp_replicate * plan.dp_shard > 1 else None
+    return apply_pipeline(model, pp_mesh=mesh[MeshAxis.PP.value], fsdp_mesh=dp_mesh, schedule=plan.schedule,
+                          virtual_stages=plan.virtual_stages, mbs=plan.mbs, device=device,
+                          reshard_after_forward=plan.reshard_after_forward)
 
 
 __all__ = ["build_mesh", "apply_tp", "apply_ac", "apply_fsdp", "apply_plan", "check_supported",

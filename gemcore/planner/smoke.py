@@ -2,6 +2,7 @@
 before clipping (one JSON line, rank 0).
 
     torchrun --nproc-per-node 4 -m gemcore.planner.smoke --degrees dp_shard=2,tp=2 --steps 3
+    torchrun --nproc-per-node 4 -m gemcore.planner.smoke --degrees dp_shard=2,pp=2,mbs=2 --blocks 4
     python -m gemcore.planner.smoke --steps 3          # one process: the reference losses
 
 Every run draws the same model initialisation and the same global batches (users
@@ -39,7 +40,6 @@ def main(argv: list[str] | None = None) -> int:
     from gemcore.data.synthetic import make_synthetic
     from gemcore.kernels.jagged_attention import make_attention
     from gemcore.model import GemModel
-    from gemcore.planner.apply import clip_grad_norm_
     from gemcore.planner.plan import Plan
     from gemcore.plugins.parallel_planned import PlannedParallelism, launcher_env
 
@@ -67,11 +67,15 @@ def main(argv: list[str] | None = None) -> int:
             n = (everyone.offsets.diff() + everyone.cand_offsets.diff()).double()
             moments.append([(float(n[r::par.world_size].mean()), float((n[r::par.world_size] ** 2).mean()))
                             for r in range(par.world_size)])
-        loss = model.loss(data.__getitems__(users))
+        batch = data.__getitems__(users)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        if hasattr(model, "forward_backward"):   # a pipeline: forward and backward interleave
+            loss = model.forward_backward(batch)
+        else:
+            loss = model.loss(batch)
+            loss.backward()
         if args.clip:
-            grad_norms.append(float(clip_grad_norm_(model.parameters(), args.clip)))
+            grad_norms.append(float(par.clip_grad_norm_(model.parameters(), args.clip)))
         optimizer.step()
         losses.append(float(par.all_reduce_mean(loss.detach())))
         step_s.append(time.perf_counter() - t0)
