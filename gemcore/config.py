@@ -81,6 +81,8 @@ class PrecisionConfig:
     mx_scale_rule: Literal["floor", "rceil"] = _f("rceil", "mxfp8: block scale rule (floor: OCP spec)")
     mx_min_features: int = _f(0, "mxfp8: keep linears with fewer in/out features in high precision")
     mx_keep: list[str] = _f(["router", "head"], "mxfp8: module-name parts kept in high precision")
+    mx_fsdp_all_gather: bool = _f(True, "mxfp8: under FSDP2 (several ranks) all-gather the MX layers' weights in MX "
+                                  "(1 + 1/32 bytes an element) and recast the dgrad weight from them")
 
 
 @dataclass

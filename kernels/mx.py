@@ -31,6 +31,8 @@ CAST_BACKENDS = ("auto", "triton", "reference")
 #: "triton": bf16 MMA on tiles dequantized in registers; "triton_fp8": FP8 MMA per 32-wide K block;
 #: "dequant_mm": Triton dequantize to bf16, then torch.mm (cuBLAS); "reference": PyTorch.
 MATMUL_BACKENDS = ("auto", "triton", "triton_fp8", "dequant_mm", "reference")
+#: dgrad weight source: cast from the master weight, or recast from the forward's MX weight
+DGRAD_WEIGHTS = ("master", "requant")
 #: what "auto" runs for CUDA operands (the fastest exact path measured, see docs/mx.md)
 AUTO_CUDA_MATMUL = "dequant_mm"
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -205,13 +207,21 @@ def mx_matmul(a: MXTensor, b: MXTensor, out_dtype: torch.dtype = torch.bfloat16,
 @dataclass(frozen=True)
 class MXConfig:
     """How an :class:`MXLinear` quantizes: ``elem`` for activations and weights, ``grad_elem``
-    for output gradients, one ``scale_rule`` for all, and the GEMM/cast backends."""
+    for output gradients, one ``scale_rule`` for all, and the GEMM/cast backends.
+
+    ``dgrad_weight``: where the dgrad GEMM's weight (blocked along out_features) comes from:
+    ``"master"`` casts the high-precision weight; ``"requant"`` recasts the forward's MX weight
+    (blocked along in_features), dequantized exactly. The FSDP2 MX all-gather
+    (:mod:`gemcore.kernels.mx_fsdp`) only has the forward's MX weight, so it always requantizes;
+    ``"requant"`` gives an unsharded layer the same numbers.
+    """
 
     elem: str = "e4m3"
     grad_elem: str = "e4m3"
     scale_rule: str = "rceil"
     cast_backend: str = "auto"
     matmul_backend: str = "auto"
+    dgrad_weight: str = "master"
 
     def __post_init__(self):
         for key in ("elem", "grad_elem"):
@@ -223,6 +233,43 @@ class MXConfig:
             raise ValueError(f"cast_backend must be one of {CAST_BACKENDS}, got {self.cast_backend!r}")
         if self.matmul_backend not in MATMUL_BACKENDS:
             raise ValueError(f"matmul_backend must be one of {MATMUL_BACKENDS}, got {self.matmul_backend!r}")
+        if self.dgrad_weight not in DGRAD_WEIGHTS:
+            raise ValueError(f"dgrad_weight must be one of {DGRAD_WEIGHTS}, got {self.dgrad_weight!r}")
+
+
+def _weight_casts(weight: torch.Tensor, cfg: MXConfig) -> tuple[MXTensor, Optional[MXTensor]]:
+    """(W blocked along K, W blocked along N or None: recast in backward) for the forward.
+
+    A weight FSDP2 gathered in MX form (``MXGatheredWeight``) is used as gathered (no cast); an
+    ``MXShardedWeight`` outside FSDP2 is cast from the master values it wraps.
+    """
+    from gemcore.kernels.mx_fsdp import MXGatheredWeight, MXShardedWeight
+
+    if isinstance(weight, MXGatheredWeight):
+        w_k = weight.mx
+        if (w_k.elem, w_k.scale_rule) != (cfg.elem, cfg.scale_rule):
+            raise ValueError(f"weight was gathered as {w_k.elem}/{w_k.scale_rule}, but the layer casts "
+                             f"{cfg.elem}/{cfg.scale_rule}: wrap the weights after configuring the layer")
+        return w_k, None
+    if isinstance(weight, MXShardedWeight):
+        weight = weight.master
+    weight = weight.detach()
+    cast = dict(scale_rule=cfg.scale_rule, backend=cfg.cast_backend)
+    if cfg.dgrad_weight == "requant":
+        return quantize_mx(weight, elem=cfg.elem, axis=-1, **cast), None
+    return quantize_mx_both(weight, elem=cfg.elem, **cast)
+
+
+def _requantize_along_n(w_k: MXTensor, cfg: MXConfig) -> MXTensor:
+    """W (N, K) blocked along K -> blocked along N, cast from its dequantized values (exact in
+    float32), not from the master weight."""
+    if w_k.data.is_cuda and cfg.cast_backend != "reference":
+        from gemcore.kernels.mx_triton import dequantize_mx_triton
+
+        values = dequantize_mx_triton(w_k.data, w_k.scale, 1, torch.float32)
+    else:
+        values = w_k.dequantize(torch.float32)
+    return quantize_mx(values, elem=w_k.elem, axis=0, scale_rule=cfg.scale_rule, backend=cfg.cast_backend)
 
 
 class _MXLinearFunction(torch.autograd.Function):
@@ -230,17 +277,19 @@ class _MXLinearFunction(torch.autograd.Function):
 
     forward: x (M, K) and W (N, K) along K. dgrad dx = dy W: dy along N, W along N.
     wgrad dW = dy^T x: dy and x along M. x and W are cast in both directions in one pass and the
-    token/N-blocked copies (1 byte an element) are what is saved for backward.
+    token/N-blocked copies (1 byte an element) are what is saved for backward. With
+    ``dgrad_weight="requant"`` (and for weights FSDP2 gathered in MX) the K-blocked W is saved
+    instead and recast along N in backward.
     """
 
     @staticmethod
     def forward(ctx, x, weight, cfg: MXConfig, out_dtype: torch.dtype):
-        cast = dict(scale_rule=cfg.scale_rule, backend=cfg.cast_backend)
-        x_k, x_m = quantize_mx_both(x, elem=cfg.elem, **cast)
-        w_k, w_n = quantize_mx_both(weight.detach(), elem=cfg.elem, **cast)
+        x_k, x_m = quantize_mx_both(x, elem=cfg.elem, scale_rule=cfg.scale_rule, backend=cfg.cast_backend)
+        w_k, w_n = _weight_casts(weight, cfg)
         out = mx_matmul(x_k, w_k.t(), out_dtype=out_dtype, backend=cfg.matmul_backend)
-        ctx.save_for_backward(x_m.data, x_m.scale, w_n.data, w_n.scale)
-        ctx.cfg, ctx.x_dtype, ctx.w_dtype = cfg, x.dtype, weight.dtype
+        w_saved = w_n if w_n is not None else w_k
+        ctx.save_for_backward(x_m.data, x_m.scale, w_saved.data, w_saved.scale)
+        ctx.cfg, ctx.x_dtype, ctx.w_dtype, ctx.w_axis = cfg, x.dtype, weight.dtype, w_saved.axis
         return out
 
     @staticmethod
@@ -248,7 +297,9 @@ class _MXLinearFunction(torch.autograd.Function):
         cfg = ctx.cfg
         xd, xs, wd, ws = ctx.saved_tensors
         x_m = MXTensor(xd, xs, cfg.elem, BLOCK, 0, cfg.scale_rule)
-        w_n = MXTensor(wd, ws, cfg.elem, BLOCK, 0, cfg.scale_rule)
+        w_n = MXTensor(wd, ws, cfg.elem, BLOCK, ctx.w_axis, cfg.scale_rule)
+        if ctx.w_axis == 1 and ctx.needs_input_grad[0]:
+            w_n = _requantize_along_n(w_n, cfg)
         dy_n, dy_m = quantize_mx_both(dy.contiguous(), elem=cfg.grad_elem, scale_rule=cfg.scale_rule,
                                       backend=cfg.cast_backend)
         dx = dw = None
@@ -265,7 +316,8 @@ class MXLinear(nn.Linear):
     Master weights and bias stay in their own dtype (float32 in training); each forward casts
     them. Output dtype: the autocast dtype when autocast is on for the input's device, else the
     input's dtype. Extra keyword arguments: ``elem``, ``grad_elem``, ``scale_rule``,
-    ``cast_backend``, ``matmul_backend`` (see :class:`MXConfig`).
+    ``cast_backend``, ``matmul_backend``, ``dgrad_weight`` (see :class:`MXConfig`). Under FSDP2
+    with :func:`gemcore.kernels.mx_fsdp.wrap_mx_weights` the weight arrives already in MX.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
@@ -296,9 +348,11 @@ class MXLinear(nn.Linear):
         with torch.autocast(device_type, enabled=False):
             out = _MXLinearFunction.apply(x.reshape(-1, self.in_features), self.weight, self.mx_config,
                                           out_dtype)
-            if self.bias is not None:
+            if x.dim() != 2:
+                out = out.reshape(*lead, self.out_features)
+            if self.bias is not None:  # after the reshape: the output is no view (FSDP2 warns on views)
                 out = out + self.bias.to(out_dtype)
-        return out.reshape(*lead, self.out_features)
+        return out
 
     def extra_repr(self) -> str:
         c = self.mx_config

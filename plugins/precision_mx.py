@@ -7,11 +7,19 @@ Embeddings and norms are not linear layers and stay as they are. Everything else
 autocast. On CPU the MX casts and GEMMs run through the PyTorch reference (exact, slow); on CUDA
 through the Triton kernels.
 
+Under FSDP2 (the run is launched on more than one rank) and with ``mx_fsdp_all_gather`` on (the
+default), the MX layers' weights are wrapped by :func:`gemcore.kernels.mx_fsdp.wrap_mx_weights`:
+FSDP2 then all-gathers them in MX (1 + 1/32 bytes an element instead of 2), cast once per step
+from the master shards, and the layers recast their dgrad weight from the gathered one
+(``dgrad_weight="requant"``). One-process runs are left as they were.
+
 Options are read from the precision config when it has them (``mx_elem``, ``mx_grad_elem``,
-``mx_scale_rule``, ``mx_min_features``, ``mx_keep``); the defaults are :data:`DEFAULTS`.
+``mx_scale_rule``, ``mx_min_features``, ``mx_keep``, ``mx_fsdp_all_gather``); the defaults are
+:data:`DEFAULTS`.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Sequence
 
@@ -30,23 +38,35 @@ DEFAULTS: dict[str, Any] = {
     "mx_scale_rule": "rceil",  # never saturates; "floor" is the spec's rule
     "mx_min_features": 0,  # layers with min(in, out) below this stay in bf16
     "mx_keep": ("router", "head"),  # module-name components that stay in bf16
+    "mx_fsdp_all_gather": True,  # under FSDP2 (several ranks): all-gather the weights in MX
 }
+
+
+def _launched_ranks() -> int:
+    from gemcore.comms.launch import detect
+
+    return detect().world_size
 
 
 class MXPrecisionPolicy(AutocastPolicy):
     """bf16 autocast plus MX linear layers. ``converted``: names of the layers swapped by apply."""
 
     def __init__(self, elem: str = "e4m3", grad_elem: str = "e4m3", scale_rule: str = "rceil",
-                 min_features: int = 0, keep: Sequence[str] = ("router", "head")):
+                 min_features: int = 0, keep: Sequence[str] = ("router", "head"),
+                 fsdp_all_gather: bool = True):
         super().__init__("mxfp8", torch.bfloat16)
         self.mx_config = MXConfig(elem=elem, grad_elem=grad_elem, scale_rule=scale_rule)
         if not isinstance(min_features, int) or min_features < 0:
             raise ValueError(f"mx_min_features must be a non-negative int, got {min_features!r}")
         if isinstance(keep, str):
             keep = [k for k in keep.split(",") if k]
+        if not isinstance(fsdp_all_gather, bool):
+            raise ValueError(f"mx_fsdp_all_gather must be a bool, got {fsdp_all_gather!r}")
         self.min_features = min_features
         self.keep = tuple(keep)
+        self.fsdp_all_gather = fsdp_all_gather
         self.converted: list[str] = []
+        self.mx_gathered: list[str] = []  # layers whose weights FSDP2 will gather in MX
 
     def wants(self, linear: nn.Linear, fqn: str) -> bool:
         """Whether the linear layer named ``fqn`` runs in MX."""
@@ -61,6 +81,14 @@ class MXPrecisionPolicy(AutocastPolicy):
         self.converted = [name for name, m in model.named_modules() if isinstance(m, MXLinear)]
         log.info("mxfp8: %d linear layers in MX (%s, grads %s, %s)", len(self.converted), c.elem,
                  c.grad_elem, c.scale_rule)
+        if self.fsdp_all_gather and _launched_ranks() > 1:
+            from gemcore.kernels.mx_fsdp import wrap_mx_weights
+
+            for m in model.modules():
+                if isinstance(m, MXLinear):
+                    m.mx_config = dataclasses.replace(m.mx_config, dgrad_weight="requant")
+            self.mx_gathered = wrap_mx_weights(model)
+            log.info("mxfp8: %d weights all-gathered in MX under FSDP2", len(self.mx_gathered))
         return model
 
 
@@ -69,7 +97,7 @@ def make_policy(config: Any) -> MXPrecisionPolicy:
     opts = {key: getattr(config, key, default) for key, default in DEFAULTS.items()}
     return MXPrecisionPolicy(elem=opts["mx_elem"], grad_elem=opts["mx_grad_elem"],
                              scale_rule=opts["mx_scale_rule"], min_features=opts["mx_min_features"],
-                             keep=opts["mx_keep"])
+                             keep=opts["mx_keep"], fsdp_all_gather=opts["mx_fsdp_all_gather"])
 
 
 @hookimpl
