@@ -19,6 +19,7 @@ not round to nearest even, so tests run the software path there; the GPU test ch
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -41,16 +42,21 @@ def _scale_bytes(amax_bits, EMAX: tl.constexpr, RCEIL: tl.constexpr):
 
 
 @triton.jit
-def _encode(x, byte, MBITS: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr,
+def _inv_scale(byte):
+    """Biased E8M0 byte (int32, one per block) -> float32 2^-E. Byte 254 (E = 127) would need a
+    subnormal 2^-127 and is unreachable from float32 input (it needs amax >= 2^135), so it is
+    clamped to 2^-126 here."""
+    return (tl.minimum(tl.maximum(254 - byte, 1), 254) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _encode(x, inv, is_nan, MBITS: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr,
             MAX_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr, SOFT_ROUND: tl.constexpr,
             ELEM: tl.constexpr):
-    """float32 ``x`` and its block's byte (int32, same shape) -> element bytes (uint8).
-
-    2^-E is built from bits; byte 254 (E = 127) would need a subnormal 2^-127 and is unreachable
-    from float32 input (it needs amax >= 2^135), so it is clamped to 2^-126 here.
-    """
-    inv_scale = (tl.minimum(tl.maximum(254 - byte, 1), 254) << 23).to(tl.float32, bitcast=True)
-    y = x * inv_scale
+    """float32 ``x`` -> element bytes (uint8). ``inv`` (2^-E) and ``is_nan`` (byte 255) are per
+    block, broadcastable to ``x``: computing them on the block shape keeps the per-element work
+    to a multiply, a clamp and the conversion on the hardware path."""
+    y = x * inv
     if SOFT_ROUND:
         a = tl.minimum(tl.abs(y), MAX_NORMAL)
         exp_a = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, EMIN)
@@ -62,11 +68,13 @@ def _encode(x, byte, MBITS: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr
         subnormal = (r * SUB_SCALE).to(tl.int32)
         q = tl.where(exp_r >= EMIN, normal, subnormal)
         q = q | ((x.to(tl.int32, bitcast=True) >> 24) & 0x80)
+        q = tl.where(is_nan, 0x7F, q)
+        return q.to(tl.uint8)
     else:
+        # min/max return the non-NaN operand, so NaN blocks are set after the clamp
         y = tl.minimum(tl.maximum(y, -MAX_NORMAL), MAX_NORMAL)
-        q = y.to(ELEM).to(tl.uint8, bitcast=True).to(tl.int32)
-    q = tl.where(byte == 255, 0x7F, q)
-    return q.to(tl.uint8)
+        y = tl.where(is_nan, float("nan"), y)
+        return y.to(ELEM).to(tl.uint8, bitcast=True)
 
 
 @triton.jit
@@ -84,26 +92,34 @@ def _mx_cast_rows(x_ptr, data_ptr, scale_ptr, R, C, stride_xr, stride_xc, stride
                   stride_sr, stride_sc, BLOCK_R: tl.constexpr, NB: tl.constexpr,
                   EMAX: tl.constexpr, RCEIL: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
                   BIAS: tl.constexpr, MAX_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr, SOFT_ROUND: tl.constexpr,
-                  ELEM: tl.constexpr):
-    """Blocks along C. Tile: (BLOCK_R rows, NB blocks, 32)."""
-    pid = tl.program_id(0)
+                  ELEM: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr):
+    """Blocks along C. Tile: (BLOCK_R rows, NB blocks, 32). ``EVEN``: the tiles cover (R, C)
+    exactly, so no access is masked. A grid smaller than the tile count loops over the tiles
+    (persistent), ``STAGES`` deep (loads of later tiles issued while one is encoded)."""
     n_col_tiles = tl.cdiv(C, NB * 32)
-    pid_r = pid // n_col_tiles
-    pid_c = pid % n_col_tiles
-    r1 = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    b1 = pid_c * NB + tl.arange(0, NB)
-    rows = r1[:, None, None]
-    cols = b1[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
-    mask = (rows < R) & (cols < C)
-    x = tl.load(x_ptr + rows * stride_xr + cols * stride_xc, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)  # (BLOCK_R, NB)
-    byte = _scale_bytes(amax, EMAX, RCEIL)
-    q = _encode(x, byte[:, :, None], MBITS, EMIN, BIAS, MAX_NORMAL, SUB_SCALE, SOFT_ROUND, ELEM)
-    tl.store(data_ptr + rows * stride_dr + cols * stride_dc, q, mask=mask)
-    s_rows = r1[:, None]
-    s_cols = b1[None, :]
-    tl.store(scale_ptr + s_rows * stride_sr + s_cols * stride_sc, byte.to(tl.uint8),
-             mask=(s_rows < R) & (s_cols * 32 < C))
+    n_tiles = tl.cdiv(R, BLOCK_R) * n_col_tiles
+    for pid in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
+        pid_r = pid // n_col_tiles
+        pid_c = pid % n_col_tiles
+        r1 = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        b1 = pid_c * NB + tl.arange(0, NB)
+        rows = r1[:, None, None]
+        cols = b1[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+        mask = None if EVEN else (rows < R) & (cols < C)
+        if EVEN:  # (a load given `other` must be given a mask)
+            x = tl.load(x_ptr + rows * stride_xr + cols * stride_xc).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + rows * stride_xr + cols * stride_xc, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)  # (BLOCK_R, NB)
+        byte = _scale_bytes(amax, EMAX, RCEIL)
+        inv, is_nan = _inv_scale(byte), byte == 255
+        q = _encode(x, inv[:, :, None], is_nan[:, :, None], MBITS, EMIN, BIAS, MAX_NORMAL, SUB_SCALE,
+                    SOFT_ROUND, ELEM)
+        tl.store(data_ptr + rows * stride_dr + cols * stride_dc, q, mask=mask)
+        s_rows = r1[:, None]
+        s_cols = b1[None, :]
+        tl.store(scale_ptr + s_rows * stride_sr + s_cols * stride_sc, byte.to(tl.uint8),
+                 mask=None if EVEN else (s_rows < R) & (s_cols * 32 < C))
 
 
 @triton.jit
@@ -111,28 +127,38 @@ def _mx_cast_cols(x_ptr, data_ptr, scale_ptr, R, C, stride_xb, stride_xr, stride
                   stride_dr, stride_dc, stride_sb, stride_sr, stride_sc, NB: tl.constexpr,
                   BLOCK_C: tl.constexpr, EMAX: tl.constexpr, RCEIL: tl.constexpr,
                   MBITS: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr,
-                  MAX_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr, SOFT_ROUND: tl.constexpr, ELEM: tl.constexpr):
-    """Blocks along R (one batch of a (B, R, C) view per grid row). Tile: (NB blocks, 32, BLOCK_C)."""
-    pid = tl.program_id(0)
+                  MAX_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr, SOFT_ROUND: tl.constexpr, ELEM: tl.constexpr,
+                  EVEN: tl.constexpr, STAGES: tl.constexpr):
+    """Blocks along R (one batch of a (B, R, C) view per grid row). Tile: (NB blocks, 32, BLOCK_C).
+    ``EVEN`` and the persistent loop as in :func:`_mx_cast_rows`."""
     batch = tl.program_id(1).to(tl.int64)
-    n_col_tiles = tl.cdiv(C, BLOCK_C)
-    pid_r = pid // n_col_tiles
-    pid_c = pid % n_col_tiles
-    b1 = (pid_r * NB + tl.arange(0, NB)).to(tl.int64)
-    c1 = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    rows = b1[:, None, None] * 32 + tl.arange(0, 32)[None, :, None]
-    cols = c1[None, None, :]
-    mask = (rows < R) & (cols < C)
     x_ptr += batch * stride_xb
-    x = tl.load(x_ptr + rows * stride_xr + cols * stride_xc, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)  # (NB, BLOCK_C)
-    byte = _scale_bytes(amax, EMAX, RCEIL)
-    q = _encode(x, byte[:, None, :], MBITS, EMIN, BIAS, MAX_NORMAL, SUB_SCALE, SOFT_ROUND, ELEM)
-    tl.store(data_ptr + batch * stride_db + rows * stride_dr + cols * stride_dc, q, mask=mask)
-    s_rows = b1[:, None]
-    s_cols = c1[None, :]
-    tl.store(scale_ptr + batch * stride_sb + s_rows * stride_sr + s_cols * stride_sc, byte.to(tl.uint8),
-             mask=(s_rows * 32 < R) & (s_cols < C))
+    data_ptr += batch * stride_db
+    scale_ptr += batch * stride_sb
+    n_col_tiles = tl.cdiv(C, BLOCK_C)
+    n_tiles = tl.cdiv(R, NB * 32) * n_col_tiles
+    for pid in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
+        pid_r = pid // n_col_tiles
+        pid_c = pid % n_col_tiles
+        b1 = (pid_r * NB + tl.arange(0, NB)).to(tl.int64)
+        c1 = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        rows = b1[:, None, None] * 32 + tl.arange(0, 32)[None, :, None]
+        cols = c1[None, None, :]
+        mask = None if EVEN else (rows < R) & (cols < C)
+        if EVEN:
+            x = tl.load(x_ptr + rows * stride_xr + cols * stride_xc).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + rows * stride_xr + cols * stride_xc, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)  # (NB, BLOCK_C)
+        byte = _scale_bytes(amax, EMAX, RCEIL)
+        inv, is_nan = _inv_scale(byte), byte == 255
+        q = _encode(x, inv[:, None, :], is_nan[:, None, :], MBITS, EMIN, BIAS, MAX_NORMAL, SUB_SCALE,
+                    SOFT_ROUND, ELEM)
+        tl.store(data_ptr + rows * stride_dr + cols * stride_dc, q, mask=mask)
+        s_rows = b1[:, None]
+        s_cols = c1[None, :]
+        tl.store(scale_ptr + s_rows * stride_sr + s_cols * stride_sc, byte.to(tl.uint8),
+                 mask=None if EVEN else (s_rows * 32 < R) & (s_cols < C))
 
 
 @triton.jit
@@ -158,14 +184,16 @@ def _mx_cast_both(x_ptr, rdata_ptr, rscale_ptr, cdata_ptr, cscale_ptr, R, C, str
     nsb = tl.cdiv(C, 32)
     # blocks along C
     byte = _scale_bytes(tl.max(bits, axis=3), EMAX, RCEIL)  # (NBR, 32, NBC)
-    q = _encode(x, byte[:, :, :, None], MBITS, EMIN, BIAS, MAX_NORMAL, SUB_SCALE, SOFT_ROUND, ELEM)
+    q = _encode(x, _inv_scale(byte)[:, :, :, None], (byte == 255)[:, :, :, None], MBITS, EMIN, BIAS,
+                MAX_NORMAL, SUB_SCALE, SOFT_ROUND, ELEM)
     tl.store(rdata_ptr + rows * C + cols, q, mask=mask)
     s_rows = rb1[:, None, None] * 32 + j[None, :, None]
     s_cols = cb1[None, None, :]
     tl.store(rscale_ptr + s_rows * nsb + s_cols, byte.to(tl.uint8), mask=(s_rows < R) & (s_cols * 32 < C))
     # blocks along R
     byte = _scale_bytes(tl.max(bits, axis=1), EMAX, RCEIL)  # (NBR, NBC, 32)
-    q = _encode(x, byte[:, None, :, :], MBITS, EMIN, BIAS, MAX_NORMAL, SUB_SCALE, SOFT_ROUND, ELEM)
+    q = _encode(x, _inv_scale(byte)[:, None, :, :], (byte == 255)[:, None, :, :], MBITS, EMIN, BIAS,
+                MAX_NORMAL, SUB_SCALE, SOFT_ROUND, ELEM)
     tl.store(cdata_ptr + rows * C + cols, q, mask=mask)
     s_rows = rb1[:, None, None]
     s_cols = cb1[None, :, None] * 32 + j[None, None, :]
@@ -192,23 +220,42 @@ def _mx_dequant(data_ptr, scale_ptr, out_ptr, R, C, stride_dr, stride_dc, stride
 
 
 # --------------------------------------------------------------------------- launchers
-def _fmt_args(elem: str, scale_rule: str, soft_round: bool) -> dict:
+def _fmt_args(elem: str, scale_rule: str, soft_round: bool | None) -> dict:
+    if soft_round is None:
+        soft_round = os.environ.get("TRITON_INTERPRET") == "1"
     fmt = FORMATS[elem]
     return dict(EMAX=fmt.emax, RCEIL=scale_rule == "rceil", MBITS=fmt.mbits, EMIN=fmt.emin,
                 BIAS=fmt.bias, MAX_NORMAL=fmt.max_normal,
                 SUB_SCALE=float(2.0 ** (fmt.mbits - fmt.emin)), SOFT_ROUND=soft_round, ELEM=_TL_ELEM[elem])
 
 
-#: default tiles: the fastest of `gem bench mx --sweep` on an H200 (2026-12-02); tests pin small ones
+#: default tiles: the fastest of `gem bench mx --sweep` on an H200 (2026-12-03: hardware rounding,
+#: unmasked whole tiles; persistent grids were slower); tests pin small ones
 ROWS_TILE = dict(BLOCK_R=16, NB=16, num_warps=8)
-COLS_TILE = dict(NB=1, BLOCK_C=256, num_warps=4)
+COLS_TILE = dict(NB=1, BLOCK_C=128, num_warps=4)
 BOTH_TILE = dict(NBR=1, NBC=2, num_warps=4)
 
 
+def _launch_opts(tile: dict, device: torch.device) -> dict:
+    """Kernel arguments of a cast ``tile`` plus ``max_programs``: one program a tile unless the
+    tile names ``programs`` (a grid of at most that many) or ``programs_per_sm`` (that many per
+    SM of a CUDA device): the programs then loop over the tiles (persistent)."""
+    opts = dict(tile)
+    per_sm, programs = opts.pop("programs_per_sm", None), opts.pop("programs", None)
+    opts.setdefault("STAGES", 1)
+    opts["max_programs"] = 2**31 - 1
+    if programs is not None:
+        opts["max_programs"] = programs
+    elif per_sm is not None and device.type == "cuda":
+        opts["max_programs"] = per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+    return opts
+
+
 def quantize_mx_triton(x: torch.Tensor, elem: str = "e4m3", block: int = BLOCK, axis: int = -1,
-                       scale_rule: str = "floor", soft_round: bool = True,
+                       scale_rule: str = "floor", soft_round: bool | None = None,
                        tile: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as :func:`mx_reference.quantize_mx_reference` (block must be 32)."""
+    """Same contract as :func:`mx_reference.quantize_mx_reference` (block must be 32).
+    ``soft_round`` None: software rounding under the interpreter, the hardware conversion on a GPU."""
     assert block == BLOCK
     fmt = FORMATS[elem]
     axis = axis % x.dim()
@@ -227,20 +274,26 @@ def quantize_mx_triton(x: torch.Tensor, elem: str = "e4m3", block: int = BLOCK, 
     if inner == 1:  # blocks along the fastest-moving logical axis: rows of (outer, length)
         t = dict(ROWS_TILE, **(tile or {}))
         x2, d2, s2 = x.reshape(outer, length), d8.view(outer, length), scale.view(outer, -1)
-        grid = (triton.cdiv(outer, t["BLOCK_R"]) * triton.cdiv(length, t["NB"] * BLOCK),)
-        _mx_cast_rows[grid](x2, d2, s2, outer, length, *x2.stride(), *d2.stride(), *s2.stride(), **t, **args)
+        launch, n_tiles = _launch_opts(t, x.device), triton.cdiv(outer, t["BLOCK_R"]) * triton.cdiv(length, t["NB"] * BLOCK)
+        grid = (min(n_tiles, launch.pop("max_programs")),)
+        even = outer % t["BLOCK_R"] == 0 and length % (t["NB"] * BLOCK) == 0
+        _mx_cast_rows[grid](x2, d2, s2, outer, length, *x2.stride(), *d2.stride(), *s2.stride(), **launch,
+                            **args, EVEN=even)
     else:  # blocks along the middle axis of (outer, length, inner)
         t = dict(COLS_TILE, **(tile or {}))
         x3, d3, s3 = x.reshape(outer, length, inner), d8.view(outer, length, inner), scale.view(outer, -1, inner)
         if outer > 65535:
             raise ValueError(f"x: at most 65535 slices before axis {axis}, got {outer}")
-        grid = (triton.cdiv(length, t["NB"] * BLOCK) * triton.cdiv(inner, t["BLOCK_C"]), outer)
-        _mx_cast_cols[grid](x3, d3, s3, length, inner, *x3.stride(), *d3.stride(), *s3.stride(), **t, **args)
+        launch, n_tiles = _launch_opts(t, x.device), triton.cdiv(length, t["NB"] * BLOCK) * triton.cdiv(inner, t["BLOCK_C"])
+        grid = (min(n_tiles, launch.pop("max_programs")), outer)
+        even = length % (t["NB"] * BLOCK) == 0 and inner % t["BLOCK_C"] == 0
+        _mx_cast_cols[grid](x3, d3, s3, length, inner, *x3.stride(), *d3.stride(), *s3.stride(), **launch,
+                            **args, EVEN=even)
     return data, scale
 
 
 def quantize_mx_both_triton(x: torch.Tensor, elem: str = "e4m3", scale_rule: str = "floor",
-                            soft_round: bool = True, tile: dict | None = None):
+                            soft_round: bool | None = None, tile: dict | None = None):
     """2-D ``x`` (R, C) -> ((data, scale) blocked along C, (data, scale) blocked along R), one read."""
     fmt = FORMATS[elem]
     R, C = x.shape

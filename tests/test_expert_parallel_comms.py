@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -21,14 +22,14 @@ import pytest
 import torch
 
 BIN = Path(sys.executable).parent
-MPIRUN = BIN / "mpirun"
+MPIRUN = shutil.which("mpirun", path=os.pathsep.join([str(BIN), os.environ.get("PATH", "")]))
 try:
     import mpi4py  # noqa: F401
     HAVE_MPI4PY = True
 except ImportError:
     HAVE_MPI4PY = False
-needs_mpirun = pytest.mark.skipif(not (MPIRUN.exists() and HAVE_MPI4PY),
-                                  reason=f"needs mpi4py and {MPIRUN} (pip install 'gemcore[mpi]')")
+needs_mpirun = pytest.mark.skipif(not (MPIRUN and HAVE_MPI4PY),
+                                  reason="needs mpi4py and mpirun (pip install 'gemcore[mpi]')")
 
 RANKS = 3
 

@@ -25,8 +25,8 @@ triton = pytest.importorskip("triton")
 from gemcore.kernels import mx  # noqa: E402
 from gemcore.kernels.mx_gemm import mx_matmul_triton  # noqa: E402
 from gemcore.kernels.mx_reference import dequantize_mx_reference, quantize_mx_reference  # noqa: E402
-from gemcore.kernels.mx_triton import (dequantize_mx_triton, quantize_mx_both_triton,  # noqa: E402
-                                       quantize_mx_triton)
+from gemcore.kernels.mx_triton import (COLS_TILE, ROWS_TILE, dequantize_mx_triton,  # noqa: E402
+                                       quantize_mx_both_triton, quantize_mx_triton)
 
 DEVICE = "cuda" if CUDA else "cpu"
 ROUNDINGS = [True] if INTERPRET else [True, False]  # soft_round
@@ -61,7 +61,9 @@ def assert_same_cast(x, elem, scale_rule, axis, soft_round, tile):
     assert bad.numel() == 0, (bad[:5], x[tuple(bad[0])].item())
 
 
-SHAPES = [(6, 70), (33, 1), (1, 1), (9, 96)] if INTERPRET else [(1000, 4096), (777, 333), (1, 1), (4096, 96)]
+# (64, 64) and (1024, 2048) fill whole tiles: the unmasked (EVEN) kernel variants
+SHAPES = ([(6, 70), (33, 1), (1, 1), (9, 96), (64, 64)] if INTERPRET
+          else [(1000, 4096), (777, 333), (1, 1), (4096, 96), (1024, 2048)])
 
 
 @pytest.mark.parametrize("elem", ["e4m3", "e5m2"])
@@ -76,6 +78,10 @@ def test_cast_rows_and_cols_bit_exact(elem, scale_rule):
             x = make_input(SHAPES[0], 7, dtype)
             assert_same_cast(x, elem, scale_rule, 1, soft_round, ROW_TILE)
             assert_same_cast(x, elem, scale_rule, 0, soft_round, COL_TILE)
+        for seed, shape in enumerate(SHAPES[-2:]):  # a persistent grid: programs loop over tiles
+            x = make_input(shape, seed)
+            assert_same_cast(x, elem, scale_rule, 1, soft_round, dict(ROW_TILE or ROWS_TILE, programs=3, STAGES=2))
+            assert_same_cast(x, elem, scale_rule, 0, soft_round, dict(COL_TILE or COLS_TILE, programs=3, STAGES=2))
         x3 = make_input((3, 40, 5) if INTERPRET else (4, 300, 200), 9)
         assert_same_cast(x3, elem, scale_rule, 1, soft_round, COL_TILE)  # batched columns
         assert_same_cast(x3.transpose(1, 2), elem, scale_rule, 2, soft_round, ROW_TILE)  # strided rows

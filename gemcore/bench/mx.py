@@ -20,11 +20,24 @@ from gemcore.bench.timing import median_ms
 
 CAST_TILES = {
     "rows": [dict(BLOCK_R=16, NB=8, num_warps=8), dict(BLOCK_R=8, NB=8, num_warps=4),
-             dict(BLOCK_R=32, NB=4, num_warps=8), dict(BLOCK_R=16, NB=16, num_warps=8)],
+             dict(BLOCK_R=32, NB=4, num_warps=8), dict(BLOCK_R=16, NB=16, num_warps=8),
+             dict(BLOCK_R=4, NB=32, num_warps=4), dict(BLOCK_R=8, NB=32, num_warps=8),
+             dict(BLOCK_R=64, NB=4, num_warps=8), dict(BLOCK_R=32, NB=8, num_warps=8),
+             dict(BLOCK_R=16, NB=16, num_warps=8, programs_per_sm=4, STAGES=2),
+             dict(BLOCK_R=16, NB=16, num_warps=8, programs_per_sm=2, STAGES=3),
+             dict(BLOCK_R=8, NB=8, num_warps=4, programs_per_sm=8, STAGES=3),
+             dict(BLOCK_R=8, NB=16, num_warps=4, programs_per_sm=8, STAGES=2),
+             dict(BLOCK_R=16, NB=8, num_warps=8, programs_per_sm=4, STAGES=3)],
     "cols": [dict(NB=2, BLOCK_C=128, num_warps=8), dict(NB=1, BLOCK_C=256, num_warps=4),
-             dict(NB=4, BLOCK_C=128, num_warps=8), dict(NB=2, BLOCK_C=256, num_warps=8)],
+             dict(NB=4, BLOCK_C=128, num_warps=8), dict(NB=2, BLOCK_C=256, num_warps=8),
+             dict(NB=1, BLOCK_C=512, num_warps=8), dict(NB=1, BLOCK_C=128, num_warps=4),
+             dict(NB=4, BLOCK_C=64, num_warps=4), dict(NB=2, BLOCK_C=64, num_warps=4),
+             dict(NB=1, BLOCK_C=128, num_warps=4, programs_per_sm=8, STAGES=3),
+             dict(NB=4, BLOCK_C=64, num_warps=4, programs_per_sm=8, STAGES=2),
+             dict(NB=2, BLOCK_C=64, num_warps=4, programs_per_sm=8, STAGES=3),
+             dict(NB=1, BLOCK_C=256, num_warps=4, programs_per_sm=4, STAGES=3)],
     "both": [dict(NBR=2, NBC=2, num_warps=8), dict(NBR=1, NBC=2, num_warps=4),
-             dict(NBR=2, NBC=4, num_warps=8)],
+             dict(NBR=2, NBC=4, num_warps=8), dict(NBR=1, NBC=4, num_warps=8), dict(NBR=1, NBC=1, num_warps=4)],
 }
 GEMM_TILES = {
     "triton": [dict(BLOCK_M=128, BLOCK_N=128, KB=2, GROUP_M=8, num_warps=8, num_stages=3),
@@ -100,7 +113,7 @@ def bench_cast(size: int, sweep: bool) -> list[Row]:
     for kind, axis in variants:
         default = getattr(T, f"{kind.upper()}_TILE")
         tiles = CAST_TILES[kind] if sweep else [default]
-        for soft, tile in [(True, t) for t in tiles] + [(False, default)]:
+        for soft, tile in [(False, t) for t in tiles] + [(True, default)]:
             fn = lambda: T.quantize_mx_triton(x, "e4m3", 32, axis, "rceil", soft_round=soft, tile=tile)
             try:
                 exact = _cast_exact(fn(), x, "e4m3", "rceil", axis)
@@ -111,7 +124,7 @@ def bench_cast(size: int, sweep: bool) -> list[Row]:
             rows.append(Row("cast", f"triton {kind} ({'soft' if soft else 'hw'} round) {tile}", ms,
                             one / ms / 1e6, "GB/s", one / ms / 1e6 / anchor, exact))
     for tile in CAST_TILES["both"] if sweep else [T.BOTH_TILE]:
-        fn = lambda: T.quantize_mx_both_triton(x, "e4m3", "rceil", soft_round=True, tile=tile)
+        fn = lambda: T.quantize_mx_both_triton(x, "e4m3", "rceil", soft_round=False, tile=tile)
         try:
             (rd, rs), (cd, cs) = fn()
             exact = _cast_exact((rd, rs), x, "e4m3", "rceil", 1) and _cast_exact((cd, cs), x, "e4m3", "rceil", 0)
