@@ -123,6 +123,32 @@ def _mx_cast_rows(x_ptr, data_ptr, scale_ptr, R, C, stride_xr, stride_xc, stride
 
 
 @triton.jit
+def _mx_cast_flat(x_ptr, data_ptr, scale_ptr, n_blocks, NBLK: tl.constexpr, EMAX: tl.constexpr,
+                  RCEIL: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr,
+                  MAX_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr, SOFT_ROUND: tl.constexpr,
+                  ELEM: tl.constexpr, EVEN: tl.constexpr):
+    """Blocks along the last axis of a contiguous tensor whose last axis is a multiple of 32: a
+    flat run of ``n_blocks`` 32-element blocks, scales one byte each in the same order. Tile:
+    (NBLK blocks, 32), every access contiguous. ``EVEN``: NBLK divides n_blocks (no mask)."""
+    blk = tl.program_id(0).to(tl.int64) * NBLK + tl.arange(0, NBLK)
+    offs = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
+    if EVEN:
+        x = tl.load(x_ptr + offs).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + offs, mask=blk[:, None] < n_blocks, other=0.0).to(tl.float32)
+    amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)  # (NBLK,)
+    byte = _scale_bytes(amax, EMAX, RCEIL)
+    q = _encode(x, _inv_scale(byte)[:, None], (byte == 255)[:, None], MBITS, EMIN, BIAS, MAX_NORMAL,
+                SUB_SCALE, SOFT_ROUND, ELEM)
+    if EVEN:
+        tl.store(data_ptr + offs, q)
+        tl.store(scale_ptr + blk, byte.to(tl.uint8))
+    else:
+        tl.store(data_ptr + offs, q, mask=blk[:, None] < n_blocks)
+        tl.store(scale_ptr + blk, byte.to(tl.uint8), mask=blk < n_blocks)
+
+
+@triton.jit
 def _mx_cast_cols(x_ptr, data_ptr, scale_ptr, R, C, stride_xb, stride_xr, stride_xc, stride_db,
                   stride_dr, stride_dc, stride_sb, stride_sr, stride_sc, NB: tl.constexpr,
                   BLOCK_C: tl.constexpr, EMAX: tl.constexpr, RCEIL: tl.constexpr,
@@ -230,10 +256,12 @@ def _fmt_args(elem: str, scale_rule: str, soft_round: bool | None) -> dict:
 
 
 #: default tiles: the fastest of `gem bench mx --sweep` on an H200 (2026-12-03: hardware rounding,
-#: unmasked whole tiles; persistent grids were slower); tests pin small ones
-ROWS_TILE = dict(BLOCK_R=16, NB=16, num_warps=8)
-COLS_TILE = dict(NB=1, BLOCK_C=128, num_warps=4)
-BOTH_TILE = dict(NBR=1, NBC=2, num_warps=4)
+#: unmasked whole tiles; persistent grids were slower); tests pin small ones. A tile dict given to
+#: quantize_mx_triton picks the kernel: NBLK -> flat, BLOCK_R/NB -> rows, NB/BLOCK_C -> columns
+FLAT_TILE = dict(NBLK=128, num_warps=4)  # contiguous rows of whole blocks (the common case)
+ROWS_TILE = dict(BLOCK_R=16, NB=16, num_warps=8)  # strided rows or a short last block
+COLS_TILE = dict(NB=1, BLOCK_C=256, num_warps=2)
+BOTH_TILE = dict(NBR=2, NBC=2, num_warps=2)
 
 
 def _launch_opts(tile: dict, device: torch.device) -> dict:
@@ -271,7 +299,12 @@ def quantize_mx_triton(x: torch.Tensor, elem: str = "e4m3", block: int = BLOCK, 
         return data, scale
     args = _fmt_args(elem, scale_rule, soft_round)
     d8 = data.view(torch.uint8)
-    if inner == 1:  # blocks along the fastest-moving logical axis: rows of (outer, length)
+    if inner == 1 and length % BLOCK == 0 and x.is_contiguous() and (tile is None or "NBLK" in tile):
+        t = dict(FLAT_TILE, **(tile or {}))  # whole blocks, contiguous: a flat run of blocks
+        n_blocks = x.numel() // BLOCK
+        grid = (triton.cdiv(n_blocks, t["NBLK"]),)
+        _mx_cast_flat[grid](x, d8, scale, n_blocks, **t, **args, EVEN=n_blocks % t["NBLK"] == 0)
+    elif inner == 1:  # blocks along the fastest-moving logical axis: rows of (outer, length)
         t = dict(ROWS_TILE, **(tile or {}))
         x2, d2, s2 = x.reshape(outer, length), d8.view(outer, length), scale.view(outer, -1)
         launch, n_tiles = _launch_opts(t, x.device), triton.cdiv(outer, t["BLOCK_R"]) * triton.cdiv(length, t["NB"] * BLOCK)

@@ -30,7 +30,8 @@ from gemcore.kernels.mx_triton import (COLS_TILE, ROWS_TILE, dequantize_mx_trito
 
 DEVICE = "cuda" if CUDA else "cpu"
 ROUNDINGS = [True] if INTERPRET else [True, False]  # soft_round
-ROW_TILE = dict(BLOCK_R=4, NB=2, num_warps=1) if INTERPRET else None
+ROW_TILE = dict(BLOCK_R=4, NB=2, num_warps=1) if INTERPRET else ROWS_TILE  # the strided-rows kernel
+FLAT_TEST_TILE = dict(NBLK=4, num_warps=1) if INTERPRET else None  # contiguous whole blocks
 COL_TILE = dict(NB=2, BLOCK_C=8, num_warps=1) if INTERPRET else None
 BOTH_TILE = dict(NBR=1, NBC=2, num_warps=1) if INTERPRET else None
 MM_TILE = dict(BLOCK_M=16, BLOCK_N=16, KB=2, num_warps=1, num_stages=1) if INTERPRET else None
@@ -78,6 +79,9 @@ def test_cast_rows_and_cols_bit_exact(elem, scale_rule):
             x = make_input(SHAPES[0], 7, dtype)
             assert_same_cast(x, elem, scale_rule, 1, soft_round, ROW_TILE)
             assert_same_cast(x, elem, scale_rule, 0, soft_round, COL_TILE)
+        for seed, shape in enumerate(SHAPES):  # contiguous rows of whole blocks: the flat kernel
+            if shape[1] % 32 == 0:
+                assert_same_cast(make_input(shape, seed), elem, scale_rule, 1, soft_round, FLAT_TEST_TILE)
         for seed, shape in enumerate(SHAPES[-2:]):  # a persistent grid: programs loop over tiles
             x = make_input(shape, seed)
             assert_same_cast(x, elem, scale_rule, 1, soft_round, dict(ROW_TILE or ROWS_TILE, programs=3, STAGES=2))
