@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from gemcore.planner.apply import check_supported
 from gemcore.planner.plan import Plan
@@ -75,3 +76,24 @@ def test_plugin_registers_its_names():
     for name in ("fsdp", "planned", "auto"):
         impl = manager.resolve("parallelism", name)
         assert impl is not None
+
+
+def test_tensor_parallel_refuses_mx_layers():
+    """mxfp8 + tp is not applied yet: a clear error naming tp and the MX layers, before any
+    weight is touched (a stand-in 2-way mesh: the refusal comes before any collective)."""
+    from gemcore.config import AttentionConfig, ModelConfig
+    from gemcore.kernels.jagged_attention import make_attention
+    from gemcore.kernels.mx import convert_to_mx
+    from gemcore.model import GemModel
+    from gemcore.planner.apply import apply_tp
+
+    class TwoWayMesh:
+        def size(self):
+            return 2
+
+    cfg = ModelConfig(num_items=50, hidden=32, num_blocks=1, num_heads=2, mlp_ratio=2)
+    model = convert_to_mx(GemModel(cfg, make_attention(AttentionConfig(), backend="reference")))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"tp=2 with MX layers \(blocks\.0\."):
+        apply_tp(model, TwoWayMesh())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -88,6 +88,13 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
     tp = tp_mesh.size()
     if tp == 1:
         return model
+    from gemcore.kernels.mx import MXLinear
+
+    mx_layers = [name for name, m in model.named_modules() if isinstance(m, MXLinear)]
+    if mx_layers:
+        raise ValueError(f"parallelism: tp={tp} with MX layers ({', '.join(mx_layers[:3])}"
+                         f"{', ...' if len(mx_layers) > 3 else ''}): precision.impl='mxfp8' does not run on "
+                         "tensor-parallel (DTensor) weights yet; use a plan with tp=1 or another precision")
     done = []
     for i, block in enumerate(model.blocks):
         mlps = list(block.mlp.experts) if hasattr(block.mlp, "experts") else [block.mlp]
