@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from gemcore.comms.base import Communicator, _need_splits, _need_tensor
+from gemcore.comms.base import Communicator, _need_splits, _need_tensor, _send_splits
 
 
 class _AllToAll(torch.autograd.Function):
@@ -46,13 +46,7 @@ def all_to_all(comm: Communicator, t: torch.Tensor, in_splits: Sequence[int] | N
         raise ValueError(f"comm must be a gemcore.comms Communicator, got {type(comm).__name__}")
     _need_tensor(t, "t", min_dim=1)
     w = comm.world_size
-    if in_splits is None:
-        if t.shape[0] % w:
-            raise ValueError(f"t: dim 0 ({t.shape[0]}) must be divisible by world_size ({w}) "
-                             f"when in_splits is None")
-        in_splits = [t.shape[0] // w] * w
-    else:
-        in_splits = _need_splits(in_splits, "in_splits", w)
+    in_splits = _send_splits(t, in_splits, w)
     if out_splits is None:  # the backward needs them: ask the ranks now
         ones = [1] * w
         out_splits = comm.all_to_all(torch.tensor(in_splits, dtype=torch.int64), ones, ones).tolist()

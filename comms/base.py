@@ -162,15 +162,7 @@ class Communicator(abc.ABC):
         """
         _need_tensor(t, "t", min_dim=1)
         w = self.world_size
-        if in_splits is None:
-            if t.shape[0] % w:
-                raise ValueError(f"t: dim 0 ({t.shape[0]}) must be divisible by world_size ({w}) "
-                                 f"when in_splits is None")
-            in_splits = [t.shape[0] // w] * w
-        else:
-            in_splits = _need_splits(in_splits, "in_splits", w)
-            if sum(in_splits) != t.shape[0]:
-                raise ValueError(f"in_splits sums to {sum(in_splits)} but t has {t.shape[0]} rows (dim 0)")
+        in_splits = _send_splits(t, in_splits, w)
         if out_splits is not None:
             out_splits = _need_splits(out_splits, "out_splits", w)
         self._agree("all_to_all", t)
@@ -330,6 +322,19 @@ def _need_splits(splits, name: str, world_size: int) -> list[int]:
         raise ValueError(f"{name} must be a sequence of {world_size} non-negative ints (one per rank), "
                          f"got {list(splits)!r}")
     return values
+
+
+def _send_splits(t: torch.Tensor, in_splits, world_size: int) -> list[int]:
+    """All-to-all's ``in_splits`` checked against ``t``'s rows (None: equal parts)."""
+    if in_splits is None:
+        if t.shape[0] % world_size:
+            raise ValueError(f"t: dim 0 ({t.shape[0]}) must be divisible by world_size ({world_size}) "
+                             f"when in_splits is None")
+        return [t.shape[0] // world_size] * world_size
+    in_splits = _need_splits(in_splits, "in_splits", world_size)
+    if sum(in_splits) != t.shape[0]:
+        raise ValueError(f"in_splits sums to {sum(in_splits)} but t has {t.shape[0]} rows (dim 0)")
+    return in_splits
 
 
 def _need_group(ranks, rank: int, world_size: int) -> list[int]:
