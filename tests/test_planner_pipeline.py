@@ -67,6 +67,8 @@ def _reference(capsys, *extra: str) -> list[float]:
     # Schedule1F1B with FSDP2 per stage on the 2-D (pp, dp_shard) mesh, recompute, 2 micro-batches
     # of 2 users per rank
     (4, "dp_shard=2,pp=2,mbs=2,ac=full", ("--blocks", "2", "--same-batch")),
+    # tensor parallelism inside each stage (the blocks' MLP and attention over tp=2), 2 stages
+    (4, "pp=2,tp=2,mbs=3", ("--blocks", "4")),
 ])
 def test_pipeline_losses_match_single_process(capsys, nproc, degrees, extra):
     expected = _reference(capsys, *extra)
@@ -164,16 +166,16 @@ def test_bad_pipeline_input_names_the_argument():
         stage_blocks(3, 2)
     with pytest.raises(ValueError, match=r"pp × virtual_stages = 2 × 2 = 4 .*model.num_blocks = 6"):
         stage_blocks(6, 2, 2)
-    for plan, other in ((Plan(pp=2, tp=2), "tp=2"), (Plan(pp=2, cp=2), "cp=2"),
-                        (Plan(pp=2, dp_shard=2, ep=2), "ep=2")):
+    for plan, other in ((Plan(pp=2, cp=2), "cp=2"), (Plan(pp=2, dp_shard=2, ep=2), "ep=2")):
         missing = " ".join(check_supported(plan))
         assert "pp=2" in missing and other in missing
     assert check_supported(Plan(pp=2, dp_shard=2)) == []
+    assert check_supported(Plan(pp=2, tp=2)) == []
     assert check_supported(Plan(pp=2, dp_shard=2), num_blocks=4) == []
     assert "model.num_blocks = 3" in " ".join(check_supported(Plan(pp=2), num_blocks=3))
     assert check_supported(Plan(pp=2, dp_replicate=2, dp_shard=2, schedule="interleaved", virtual_stages=2)) == []
     from gemcore.plugins.parallel_planned import PlannedParallelism
 
     env = {"rank": 0, "world_size": 4, "local_rank": 0, "local_world_size": 4}
-    with pytest.raises(ValueError, match=r"parallelism.degrees: cannot apply pp=2 with tp=2"):
-        PlannedParallelism(Plan(pp=2, tp=2), env)
+    with pytest.raises(ValueError, match=r"parallelism.degrees: cannot apply pp=2 with cp=2"):
+        PlannedParallelism(Plan(pp=2, cp=2), env)

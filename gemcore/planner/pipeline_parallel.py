@@ -35,8 +35,9 @@ costs one rebuild (Python objects, a p2p warm-up and fresh receive buffers), a r
 Evaluation (:meth:`PipelinedGemModel.predict`) runs the stages in order on the whole batch as one
 micro-batch with blocking send/recv (no schedule), and broadcasts the logits over the pp group.
 
-Not combined with tp, cp or ep (``apply.check_supported`` says so); dp_shard and dp_replicate
-(FSDP2 / HSDP per stage) and activation checkpointing are.
+Not combined with cp or ep (``apply.check_supported`` says so); dp_shard and dp_replicate
+(FSDP2 / HSDP per stage), tp (applied to the blocks before the split) and activation
+checkpointing are.
 """
 from __future__ import annotations
 
