@@ -200,6 +200,10 @@ class Trainer:
             model_state, optim_state = dcp.get_state_dict(self.model, self.optimizer, options=options)
         else:
             model_state, optim_state = self.model.state_dict(), self.optimizer.state_dict()
+        from gemcore.planner.rank_local_state import gather_rank_local_state, has_rank_local
+
+        if self._distributed() and has_rank_local(self.model):   # experts: each rank holds its own
+            gather_rank_local_state(self.model, self.optimizer, model_state, optim_state)
         return {"format_version": checkpoint.FORMAT_VERSION, "step": self.step,
                 "config": self.config.to_dict(), "model": model_state,
                 "optimizer": optim_state, "scheduler": self.scheduler.state_dict(),
@@ -222,8 +226,13 @@ class Trainer:
             elif self._distributed():
                 from torch.distributed.checkpoint import state_dict as dcp
 
-                dcp.set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                                   optim_state_dict=state["optimizer"],
+                from gemcore.planner.rank_local_state import has_rank_local, own_share
+
+                model_state, optim_state = state["model"], state["optimizer"]
+                if has_rank_local(self.model):   # this rank's experts of the merged state
+                    model_state, optim_state = own_share(self.model, model_state, optim_state)
+                dcp.set_state_dict(self.model, self.optimizer, model_state_dict=model_state,
+                                   optim_state_dict=optim_state,
                                    options=dcp.StateDictOptions(full_state_dict=True))
             else:
                 self.model.load_state_dict(state["model"])

@@ -1,7 +1,8 @@
 """Pipeline parallelism (pp > 1) through torch.distributed.pipelining: the stages' composition
 equals GemModel on jagged micro-batches (one process), losses and gradient norms of pp=2
 interleaved and dp_shard=2 x pp=2 runs match a single-process run (gloo, CPU ranks under torchrun),
-``gem train`` trains and resumes with a pipeline, and bad input names the argument."""
+``gem train`` trains and resumes with a pipeline (and with experts spread over the ranks), and bad
+input names the argument."""
 import json
 import os
 import socket
@@ -69,6 +70,8 @@ def _reference(capsys, *extra: str) -> list[float]:
     (4, "dp_shard=2,pp=2,mbs=2,ac=full", ("--blocks", "2", "--same-batch")),
     # tensor parallelism inside each stage (the blocks' MLP and attention over tp=2), 2 stages
     (4, "pp=2,tp=2,mbs=3", ("--blocks", "4")),
+    # expert parallelism inside each stage: 4 experts over dp_shard=2, outside the stages' FSDP2
+    (4, "dp_shard=2,ep=2,pp=2,mbs=2", ("--blocks", "2", "--experts", "4")),
 ])
 def test_pipeline_losses_match_single_process(capsys, nproc, degrees, extra):
     expected = _reference(capsys, *extra)
@@ -78,17 +81,23 @@ def test_pipeline_losses_match_single_process(capsys, nproc, degrees, extra):
     assert got == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
-def test_gem_train_with_a_pipeline_resumes_and_matches_one_process(tmp_path):
-    """``gem train --parallel planned`` with pp=2 (micro-batches of 5 and 3 users): 2 steps, save,
-    resume for a third; the losses, gradient norms and held-out AUC equal a one-process run's."""
+@pytest.mark.parametrize("degrees, experts", [
+    ("pp=2,mbs=5", 0),       # a pipeline, micro-batches of 5 and 3 users
+    ("dp_shard=2,ep=2", 4),  # experts spread over the ranks: each rank's must reach the checkpoint
+])
+def test_gem_train_with_a_plan_resumes_and_matches_one_process(tmp_path, degrees, experts):
+    """``gem train --parallel planned``: 2 steps, save, resume for a third; the losses, gradient
+    norms and held-out AUC equal a one-process run's, and the checkpoint holds the one-process
+    model's names (every expert, whichever rank held it)."""
     from gemcore.cli.main import main
 
     tiny = ["--quiet", "--set", "model.hidden=16", "--set", "model.num_blocks=2", "--set", "data.num_users=64",
             "--set", "data.batch_size=8", "--set", "data.max_len=24", "--set", "run.eval_users=16",
-            "--set", "train.warmup_steps=2", "--set", f"run.out_dir={tmp_path}", "--max-steps", "3"]
+            "--set", "train.warmup_steps=2", "--set", f"run.out_dir={tmp_path}", "--max-steps", "3",
+            "--set", f"model.moe_experts={experts}"]
     assert main(["train", *tiny, "--name", "one"]) == 0
     gem = ["gemcore.cli.main", "train", *tiny, "--name", "pp", "--parallel", "planned",
-           "--set", "parallelism.degrees=pp=2,mbs=5", "--stop-after", "2"]
+           "--set", f"parallelism.degrees={degrees}", "--stop-after", "2"]
     _torchrun(2, gem)
     _torchrun(2, ["gemcore.cli.main", "train", "--quiet", "--resume", str(tmp_path / "pp")])
 
@@ -100,7 +109,12 @@ def test_gem_train_with_a_pipeline_resumes_and_matches_one_process(tmp_path):
     assert [r["loss"] for r in pp] + [r["grad_norm"] for r in pp] == pytest.approx(
         [r["loss"] for r in one] + [r["grad_norm"] for r in one], rel=1e-5, abs=1e-6)
     summary = json.loads((tmp_path / "pp" / "summary.json").read_text())
-    assert summary["resumed_from_step"] == 2 and "pp=2" in summary["parallelism"]
+    assert summary["resumed_from_step"] == 2 and degrees.split(",")[0] in summary["parallelism"]
+    saved, single = (torch.load(tmp_path / name / "checkpoint.pt", weights_only=False) for name in ("pp", "one"))
+    assert sorted(saved["model"]) == sorted(single["model"])
+    assert len(saved["optimizer"]["state"]) == len(single["optimizer"]["state"])
+    for key, value in single["model"].items():
+        torch.testing.assert_close(saved["model"][key], value, rtol=1e-4, atol=1e-6)
     assert summary["auc"] == pytest.approx(json.loads((tmp_path / "one" / "summary.json").read_text())["auc"])
 
 
@@ -166,9 +180,9 @@ def test_bad_pipeline_input_names_the_argument():
         stage_blocks(3, 2)
     with pytest.raises(ValueError, match=r"pp × virtual_stages = 2 × 2 = 4 .*model.num_blocks = 6"):
         stage_blocks(6, 2, 2)
-    for plan, other in ((Plan(pp=2, cp=2), "cp=2"), (Plan(pp=2, dp_shard=2, ep=2), "ep=2")):
-        missing = " ".join(check_supported(plan))
-        assert "pp=2" in missing and other in missing
+    missing = " ".join(check_supported(Plan(pp=2, cp=2)))
+    assert "pp=2" in missing and "cp=2" in missing
+    assert check_supported(Plan(pp=2, dp_shard=2, ep=2)) == []
     assert check_supported(Plan(pp=2, dp_shard=2)) == []
     assert check_supported(Plan(pp=2, tp=2)) == []
     assert check_supported(Plan(pp=2, dp_shard=2), num_blocks=4) == []

@@ -16,8 +16,8 @@ mesh as ``dp_shard_cp``), ac (``checkpoint_wrapper`` per block).
 pp (pipeline_parallel.py: the blocks cut into pp x virtual_stages stages run by a
 torch.distributed.pipelining schedule, each stage FSDP2-sharded over dp_shard / HSDP); with pp the
 order is ``build_mesh`` -> ``apply_tp`` and ``apply_ac`` (on the whole model) -> ``apply_pipeline``
-(split, then FSDP per stage). pp beside cp or ep, and ep beside expert FSDP/replicas, TP or cp,
-are planned and costed but not applied: :func:`check_supported` says so.
+(split, then FSDP per stage, experts of ``apply_ep`` left out). pp beside cp, and ep beside expert
+FSDP/replicas, TP or cp, are planned and costed but not applied: :func:`check_supported` says so.
 """
 from __future__ import annotations
 
@@ -39,10 +39,9 @@ def check_supported(plan: Plan, num_blocks: int | None = None) -> list[str]:
     if plan.pp > 1 and num_blocks is not None and num_blocks % stages:
         missing.append(f"pp × virtual_stages = {plan.pp} × {plan.virtual_stages} = {stages} (must divide the "
                        f"model's blocks, model.num_blocks = {num_blocks})")
-    if plan.pp > 1 and (plan.cp > 1 or plan.ep > 1):
-        missing.append(f"pp={plan.pp} with cp={plan.cp}, ep={plan.ep} (pipeline parallelism is applied beside "
-                       "dp_shard/dp_replicate and tp only: a stage's blocks are not context- or "
-                       "expert-parallel yet)")
+    if plan.pp > 1 and plan.cp > 1:
+        missing.append(f"pp={plan.pp} with cp={plan.cp} (pipeline parallelism is applied beside dp_shard/"
+                       "dp_replicate, tp and ep only: a stage's blocks are not context-parallel yet)")
     if plan.ep > 1 and (plan.ep != plan.dp_shard or plan.tp > 1 or plan.dp_replicate > 1 or plan.cp > 1):
         missing.append(f"ep={plan.ep} with dp_shard={plan.dp_shard}, tp={plan.tp}, "
                        f"dp_replicate={plan.dp_replicate}, cp={plan.cp} (expert parallelism is applied only "
@@ -241,11 +240,17 @@ def _apply_pp(model: nn.Module, plan: Plan, device: torch.device, mesh) -> nn.Mo
     from gemcore.planner.pipeline_parallel import apply_pipeline
 
     model = apply_tp(model.to(device), mesh[MeshAxis.TP.value])
+    ignored = None
+    if plan.ep > 1:   # experts over dp_shard, as without pp; each stage's MoE layers exchange there
+        from gemcore.planner.expert_parallel import apply_ep, expert_parameters
+
+        model = apply_ep(model, mesh[MeshAxis.DP_SHARD.value].get_group(), plan.dp_replicate * plan.dp_shard)
+        ignored = expert_parameters(model)
     model = apply_ac(model, plan.ac)
     dp_mesh = fsdp_mesh(mesh, plan) if plan.dp_replicate * plan.dp_shard > 1 else None
     return apply_pipeline(model, pp_mesh=mesh[MeshAxis.PP.value], fsdp_mesh=dp_mesh, schedule=plan.schedule,
                           virtual_stages=plan.virtual_stages, mbs=plan.mbs, device=device,
-                          reshard_after_forward=plan.reshard_after_forward)
+                          reshard_after_forward=plan.reshard_after_forward, ignored_params=ignored)
 
 
 __all__ = ["build_mesh", "apply_tp", "apply_ac", "apply_fsdp", "apply_plan", "check_supported",

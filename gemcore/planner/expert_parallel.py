@@ -89,7 +89,8 @@ class ExpertParallelMoE(nn.Module):
         self.top_k = moe.top_k
         self.router = moe.router
         first = self.ep_rank * self.local_experts
-        self.experts = nn.ModuleList(moe.experts[first:first + self.local_experts])
+        # keyed by the global expert index: names (and checkpoint keys) equal the unsplit MoE's
+        self.experts = nn.ModuleDict({str(first + i): moe.experts[first + i] for i in range(self.local_experts)})
         scale = 1.0 / data_parallel_size
         for p in self.experts.parameters():
             setattr(p, EP_GROUP_ATTR, self.group)
@@ -116,7 +117,7 @@ class ExpertParallelMoE(nn.Module):
                             ) if pieces else received.new_empty(0, dtype=torch.long)
         grouped = received[regroup]
         outputs = []
-        for e, chunk in zip(self.experts, grouped.split(blocks.sum(0).tolist())):
+        for e, chunk in zip(self.experts.values(), grouped.split(blocks.sum(0).tolist())):
             outputs.append(e(chunk) if chunk.numel() else chunk)
         done = torch.cat(outputs)[regroup.argsort()] if outputs else grouped
         back = all_to_all(self.comm, done, recv_splits, send_splits)            # (T·k, hidden)

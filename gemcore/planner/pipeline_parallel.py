@@ -35,9 +35,9 @@ costs one rebuild (Python objects, a p2p warm-up and fresh receive buffers), a r
 Evaluation (:meth:`PipelinedGemModel.predict`) runs the stages in order on the whole batch as one
 micro-batch with blocking send/recv (no schedule), and broadcasts the logits over the pp group.
 
-Not combined with cp or ep (``apply.check_supported`` says so); dp_shard and dp_replicate
-(FSDP2 / HSDP per stage), tp (applied to the blocks before the split) and activation
-checkpointing are.
+Not combined with cp (``apply.check_supported`` says so); dp_shard and dp_replicate (FSDP2 /
+HSDP per stage), tp and ep (applied to the blocks before the split; experts stay out of the
+stages' FSDP2) and activation checkpointing are.
 """
 from __future__ import annotations
 
@@ -322,9 +322,11 @@ class PipelinedGemModel(nn.Module):
 
 
 def apply_pipeline(model: GemModel, *, pp_mesh, fsdp_mesh=None, schedule: str = "1F1B", virtual_stages: int = 1,
-                   mbs: int = 1, device: torch.device, reshard_after_forward: bool = True) -> PipelinedGemModel:
+                   mbs: int = 1, device: torch.device, reshard_after_forward: bool = True,
+                   ignored_params: set | None = None) -> PipelinedGemModel:
     """Split ``model`` (activation checkpointing already applied) into pp · virtual_stages stages,
-    keep this rank's, shard each over ``fsdp_mesh`` (FSDP2, per block then the stage) when given."""
+    keep this rank's, shard each over ``fsdp_mesh`` (FSDP2, per block then the stage) when given;
+    ``ignored_params`` (expert-parallel experts) stay out of FSDP."""
     pp = pp_mesh.size()
     blocks = stage_blocks(len(model.blocks), pp, virtual_stages)
     pp_rank = pp_mesh.get_local_rank()
@@ -338,9 +340,10 @@ def apply_pipeline(model: GemModel, *, pp_mesh, fsdp_mesh=None, schedule: str = 
         from torch.distributed.fsdp import fully_shard
 
         for stage in stages:
+            kept = {p for p in stage.parameters() if p in (ignored_params or ())} or None
             for block in stage.blocks.values():
-                fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward)
-            fully_shard(stage, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward)
+                fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=kept)
+            fully_shard(stage, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=kept)
     out = PipelinedGemModel(stages, pp_mesh.get_group(), schedule, mbs, device, model.cfg.hidden, dtype)
     log.info("pp=%d (%s, v=%d): rank %d holds stages %s, blocks %s%s", pp, schedule, virtual_stages, pp_rank,
              out.stage_indices, [list(stage.blocks) for stage in stages],
@@ -381,10 +384,9 @@ def load_pipeline_state_dict(model: PipelinedGemModel, optimizer, model_state: d
     """Load this rank's share of a full (merged) state from :func:`pipeline_state_dict`."""
     from torch.distributed.checkpoint import state_dict as dcp
 
-    own = set(model.state_dict())
-    mine = {k: v for k, v in model_state.items() if k in own}
-    groups = [{**g, "params": [p for p in g["params"] if p in own]} for g in optim_state["param_groups"]]
-    optim = {"state": {k: v for k, v in optim_state["state"].items() if k in own}, "param_groups": groups}
+    from gemcore.planner.rank_local_state import own_share
+
+    mine, optim = own_share(model, model_state, optim_state)
     dcp.set_state_dict(model, optimizer, model_state_dict=mine, optim_state_dict=optim,
                        options=dcp.StateDictOptions(full_state_dict=True))
 
