@@ -165,6 +165,9 @@ class Trainer:
         # rank; its checkpoint is merged on the first stage's rank
         self.pipelined = callable(getattr(self.model, "forward_backward", None))
         self.is_main = par.rank == 0 and (not self.pipelined or torch.distributed.get_rank() == 0)
+        # devices that share one data-parallel rank's batch (tp x cp x pp): per-device rates divide by it
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        self.model_parallel = max(1, world // max(1, par.world_size))
         options = {"cost": sample_cost,
                    "sub_batch": getattr(config.data, "sub_batch", 128)}
         self.sampler = self.parts.sampler_factory(
@@ -399,8 +402,8 @@ class Trainer:
         if pending[0]["grad_norm"] is not None:  # clipping on: every step has a norm
             norms = torch.stack([p["grad_norm"] for p in pending]).float().cpu().tolist()
         elapsed_s = max(elapsed_s, 1e-9)
-        tokens_per_s = sum(p["tokens"] for p in pending) / elapsed_s
-        flops_per_s = sum(p["flops"] for p in pending) / elapsed_s
+        tokens_per_s = sum(p["tokens"] for p in pending) / elapsed_s / self.model_parallel
+        flops_per_s = sum(p["flops"] for p in pending) / elapsed_s / self.model_parallel
         mfu = flops_per_s / self.peak if self.peak else None
         rows = []
         for p, loss, norm in zip(pending, losses, norms):
@@ -419,10 +422,12 @@ class Trainer:
         return rows
 
     def summarize(self, rows: list[dict[str, Any]], wall_s: float, auc_value: float, stopped: str) -> dict[str, Any]:
-        """Whole-run totals (across resumes) plus this call's losses. Token, FLOP and time figures
-        are this rank's (MFU is per device); losses are averaged over ranks."""
+        """Whole-run totals (across resumes) plus this call's losses. ``tokens`` and the FLOP
+        totals are this data-parallel rank's batches; the rates (tokens/s, FLOP/s, MFU) are per
+        device: divided by the model-parallel degree (tp x cp x pp devices share a batch). Losses
+        are averaged over ranks."""
         tokens, flops, train_s = self.tokens_total, self.flops_total, self.train_time_total_s
-        flops_per_s = flops / train_s if train_s > 0 else 0.0
+        flops_per_s = flops / train_s / self.model_parallel if train_s > 0 else 0.0
         return {
             "steps": self.step,
             "steps_this_run": len(rows),
@@ -431,7 +436,7 @@ class Trainer:
             "tokens": tokens,
             "train_time_s": train_s,
             "wall_time_s": wall_s,
-            "tokens_per_s": tokens / train_s if train_s > 0 else 0.0,
+            "tokens_per_s": tokens / train_s / self.model_parallel if train_s > 0 else 0.0,
             "model_flops_per_token": flops / tokens if tokens else None,
             "achieved_flops_per_s": flops_per_s,
             "peak_flops_per_s": self.peak,
@@ -444,6 +449,7 @@ class Trainer:
             "device": str(self.device),
             "parallelism": self.parts.parallelism.describe(),
             "world_size": self.parts.parallelism.world_size,
+            "model_parallel": self.model_parallel,
             "rank": self.parts.parallelism.rank,
             "sampler": self.config.data.sampler,
             "parameters": sum(p.numel() for p in self.model.parameters()),

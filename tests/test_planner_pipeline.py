@@ -110,6 +110,10 @@ def test_gem_train_with_a_plan_resumes_and_matches_one_process(tmp_path, degrees
         [r["loss"] for r in one] + [r["grad_norm"] for r in one], rel=1e-5, abs=1e-6)
     summary = json.loads((tmp_path / "pp" / "summary.json").read_text())
     assert summary["resumed_from_step"] == 2 and degrees.split(",")[0] in summary["parallelism"]
+    # rates are per device: a pipeline's 2 ranks share each batch
+    assert summary["model_parallel"] == (2 if "pp=2" in degrees else 1)
+    assert summary["tokens_per_s"] == pytest.approx(
+        summary["tokens"] / summary["train_time_s"] / summary["model_parallel"])
     saved, single = (torch.load(tmp_path / name / "checkpoint.pt", weights_only=False) for name in ("pp", "one"))
     assert sorted(saved["model"]) == sorted(single["model"])
     assert len(saved["optimizer"]["state"]) == len(single["optimizer"]["state"])
