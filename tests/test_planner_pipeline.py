@@ -81,11 +81,12 @@ def test_pipeline_losses_match_single_process(capsys, nproc, degrees, extra):
     assert got == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
-@pytest.mark.parametrize("degrees, experts", [
-    ("pp=2,mbs=5", 0),       # a pipeline, micro-batches of 5 and 3 users
-    ("dp_shard=2,ep=2", 4),  # experts spread over the ranks: each rank's must reach the checkpoint
+@pytest.mark.parametrize("nproc, degrees, experts", [
+    (2, "pp=2,mbs=5", 0),       # a pipeline, micro-batches of 5 and 3 users
+    (2, "dp_shard=2,ep=2", 4),  # experts spread over the ranks: each rank's must reach the checkpoint
+    (4, "dp_shard=4,ep=2", 4),  # ... and FSDP2-sharded over the other ranks (DTensor experts)
 ])
-def test_gem_train_with_a_plan_resumes_and_matches_one_process(tmp_path, degrees, experts):
+def test_gem_train_with_a_plan_resumes_and_matches_one_process(tmp_path, nproc, degrees, experts):
     """``gem train --parallel planned``: 2 steps, save, resume for a third; the losses, gradient
     norms and held-out AUC equal a one-process run's, and the checkpoint holds the one-process
     model's names (every expert, whichever rank held it)."""
@@ -98,8 +99,8 @@ def test_gem_train_with_a_plan_resumes_and_matches_one_process(tmp_path, degrees
     assert main(["train", *tiny, "--name", "one"]) == 0
     gem = ["gemcore.cli.main", "train", *tiny, "--name", "pp", "--parallel", "planned",
            "--set", f"parallelism.degrees={degrees}", "--stop-after", "2"]
-    _torchrun(2, gem)
-    _torchrun(2, ["gemcore.cli.main", "train", "--quiet", "--resume", str(tmp_path / "pp")])
+    _torchrun(nproc, gem)
+    _torchrun(nproc, ["gemcore.cli.main", "train", "--quiet", "--resume", str(tmp_path / "pp")])
 
     def rows(name):
         return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]

@@ -9,15 +9,17 @@ of parallelism code.
 What is applied today: dp_shard (FSDP2 ``fully_shard``), dp_replicate x dp_shard (HSDP: a 2-D mesh
 given to ``fully_shard``), tp (``parallelize_module`` with Colwise/RowwiseParallel on each MLP and
 expert: gate_up column-wise, down row-wise; attention projections too when the block exposes
-``head_dim``, otherwise attention stays replicated), ep = dp_shard (expert_parallel.py: experts
-spread over dp_shard, tokens moved by all-to-all), cp (context_parallel.py: each cp rank runs
+``head_dim``, otherwise attention stays replicated), ep dividing dp_shard (expert_parallel.py:
+experts spread over the innermost ep ranks of dp_shard, tokens moved by all-to-all), cp (context_parallel.py: each cp rank runs
 the blocks on a cost-balanced contiguous share of the batch's rows; the cp ranks join the FSDP
 mesh as ``dp_shard_cp``), ac (``checkpoint_wrapper`` per block).
 pp (pipeline_parallel.py: the blocks cut into pp x virtual_stages stages run by a
 torch.distributed.pipelining schedule, each stage FSDP2-sharded over dp_shard / HSDP); with pp the
 order is ``build_mesh`` -> ``apply_tp`` and ``apply_ac`` (on the whole model) -> ``apply_pipeline``
-(split, then FSDP per stage, experts of ``apply_ep`` left out). pp beside cp, and ep beside expert
-FSDP/replicas, TP or cp, are planned and costed but not applied: :func:`check_supported` says so.
+(split, then FSDP per stage, experts of ``apply_ep`` left out). Experts split over ep < dp_shard
+(or beside dp_replicate) are FSDP2-sharded over the remaining data-parallel ranks
+(:func:`expert_meshes`, :func:`shard_experts`). pp beside cp, ep beside TP or cp, and ep < dp_shard
+inside a pipeline are planned and costed but not applied: :func:`check_supported` says so.
 """
 from __future__ import annotations
 
@@ -42,11 +44,14 @@ def check_supported(plan: Plan, num_blocks: int | None = None) -> list[str]:
     if plan.pp > 1 and plan.cp > 1:
         missing.append(f"pp={plan.pp} with cp={plan.cp} (pipeline parallelism is applied beside dp_shard/"
                        "dp_replicate, tp and ep only: a stage's blocks are not context-parallel yet)")
-    if plan.ep > 1 and (plan.ep != plan.dp_shard or plan.tp > 1 or plan.dp_replicate > 1 or plan.cp > 1):
-        missing.append(f"ep={plan.ep} with dp_shard={plan.dp_shard}, tp={plan.tp}, "
-                       f"dp_replicate={plan.dp_replicate}, cp={plan.cp} (expert parallelism is applied only "
-                       "with ep = dp_shard, tp = 1, dp_replicate = 1, cp = 1: no expert FSDP/replicas, "
-                       "expert TP or experts beside context parallelism yet)")
+    if plan.ep > 1 and (plan.dp_shard % plan.ep or plan.tp > 1 or plan.cp > 1):
+        missing.append(f"ep={plan.ep} with dp_shard={plan.dp_shard}, tp={plan.tp}, cp={plan.cp} (expert "
+                       "parallelism is applied over the innermost ep ranks of dp_shard, so ep must divide "
+                       "dp_shard, with tp = 1 and cp = 1: no expert TP or experts beside context parallelism yet)")
+    elif plan.ep > 1 and plan.pp > 1 and (plan.ep != plan.dp_shard or plan.dp_replicate > 1):
+        missing.append(f"ep={plan.ep} with pp={plan.pp}, dp_shard={plan.dp_shard}, dp_replicate={plan.dp_replicate} "
+                       "(with a pipeline, experts are applied only with ep = dp_shard and dp_replicate = 1: "
+                       "no expert FSDP inside the stages yet)")
     return missing
 
 
@@ -169,11 +174,12 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
     norms, spread = [], {}
     for p in params:
         n = torch.linalg.vector_norm(p.grad)
+        n = n.full_tensor() if isinstance(n, DTensor) else n   # over the parameter's own mesh
         group = getattr(p, EP_GROUP_ATTR, None)
-        if group is not None:
+        if group is not None:   # different experts on each rank of the group
             spread.setdefault(group, []).append(n.float() ** 2)
         else:
-            norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+            norms.append(n)
     for group, squares in spread.items():
         total_sq = torch.stack(squares).sum()
         dist.all_reduce(total_sq, group=group)
@@ -215,22 +221,66 @@ def apply_plan(model: nn.Module, plan: Plan, device: torch.device, mesh=None, *,
     model = model.to(device)
     model = apply_tp(model, mesh[MeshAxis.TP.value])
     ignored = None
+    expert_mesh = None
     if plan.ep > 1:
         from gemcore.planner.expert_parallel import apply_ep, expert_parameters
 
-        model = apply_ep(model, mesh[MeshAxis.DP_SHARD.value].get_group(), plan.dp_replicate * plan.dp_shard)
-        ignored = expert_parameters(model)
-        log.info("ep=%d over dp_shard: %d expert parameters kept out of FSDP", plan.ep, len(ignored))
+        if plan.ep == plan.dp_shard and plan.dp_replicate == 1:   # every expert on one rank
+            model = apply_ep(model, mesh[MeshAxis.DP_SHARD.value].get_group(), plan.dp_shard)
+            ignored = expert_parameters(model)
+            log.info("ep=%d over dp_shard: %d expert parameters kept out of FSDP", plan.ep, len(ignored))
+        else:   # experts split over ep, sharded (FSDP2) over the other data-parallel ranks
+            ep_group, expert_mesh = expert_meshes(plan, device.type)
+            model = apply_ep(model, ep_group, 1)   # their gradients are divided by FSDP2 (shard_experts)
     if plan.cp > 1:
         from gemcore.planner.context_parallel import apply_cp
 
         model = apply_cp(model, mesh[MeshAxis.CP.value].get_group(), **(attention or {}))
         log.info("cp=%d: blocks run on cost-balanced row shares, K/V carries all-gathered", plan.cp)
     model = apply_ac(model, plan.ac)
+    if expert_mesh is not None:
+        shard_experts(model, expert_mesh, plan.dp_replicate * plan.dp_shard, plan.reshard_after_forward)
     if plan.dp_replicate * plan.dp_shard * plan.cp > 1:
         model = apply_fsdp(model, fsdp_mesh(mesh, plan), reshard_after_forward=plan.reshard_after_forward,
                            ignored_params=ignored)
     return model
+
+
+def expert_meshes(plan: Plan, device_type: str):
+    """(ep ProcessGroup, expert FSDP mesh) for ep < dp_shard or dp_replicate > 1: dp_shard is cut
+    into (dp_shard / ep, ep), ep innermost (consecutive ranks), as the planner costs it; experts are
+    split over ``ep`` and FSDP2-sharded over ``dp_shard / ep`` (HSDP with dp_replicate). A second
+    DeviceMesh over the same ranks (its own process groups): every rank calls this."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rest = plan.dp_shard // plan.ep
+    names = ("e_pp", "e_dp_replicate", "e_dp_shard_mod_ep", "e_ep", "e_cp", "e_tp")
+    emesh = init_device_mesh(device_type, (plan.pp, plan.dp_replicate, rest, plan.ep, plan.cp, plan.tp),
+                             mesh_dim_names=names)
+    fsdp = emesh[("e_dp_replicate", "e_dp_shard_mod_ep")] if plan.dp_replicate > 1 else emesh["e_dp_shard_mod_ep"]
+    log.info("ep=%d over the innermost ranks of dp_shard; experts FSDP over %s", plan.ep, fsdp.mesh_dim_names)
+    return emesh["e_ep"].get_group(), fsdp
+
+
+def shard_experts(model: nn.Module, expert_mesh, data_parallel_size: int, reshard_after_forward: bool) -> None:
+    """FSDP2 on each expert-parallel MoE's experts over ``expert_mesh`` (before the blocks' FSDP2,
+    which then leaves them alone). An expert's local gradient sums the ep group's tokens; FSDP2
+    averages it over the expert mesh, and a post-reduce hook divides by the rest of
+    ``data_parallel_size`` (all data-parallel ranks): the mean loss's gradient. (Not
+    ``set_gradient_divide_factor``: its PREMUL_SUM reduction does not exist in gloo.) FSDP2 makes
+    new parameters: the ep mark is set on them again."""
+    from torch.distributed.fsdp import fully_shard
+
+    from gemcore.planner.expert_parallel import EP_GROUP_ATTR, ExpertParallelMoE
+
+    for moe in [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]:
+        mark = getattr(next(moe.experts.parameters()), EP_GROUP_ATTR)
+        rest = data_parallel_size / expert_mesh.size()
+        for expert in moe.experts.values():   # one unit per expert (FSDP2 needs a module with forward)
+            fully_shard(expert, mesh=expert_mesh, reshard_after_forward=reshard_after_forward)
+            expert.set_all_reduce_hook(lambda reduced, r=rest: reduced.div_(r))
+        for p in moe.experts.parameters():
+            setattr(p, EP_GROUP_ATTR, mark)
 
 
 def _apply_pp(model: nn.Module, plan: Plan, device: torch.device, mesh) -> nn.Module:

@@ -118,7 +118,9 @@ class ExpertParallelMoE(nn.Module):
         grouped = received[regroup]
         outputs = []
         for e, chunk in zip(self.experts.values(), grouped.split(blocks.sum(0).tolist())):
-            outputs.append(e(chunk) if chunk.numel() else chunk)
+            # every expert runs, on no rows too: FSDP2-sharded experts all-gather in their forward,
+            # and every rank of their mesh must take part whatever it was routed
+            outputs.append(e(chunk))
         done = torch.cat(outputs)[regroup.argsort()] if outputs else grouped
         back = all_to_all(self.comm, done, recv_splits, send_splits)            # (T·k, hidden)
         y = back * weights.reshape(-1)[order, None]

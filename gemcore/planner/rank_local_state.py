@@ -30,6 +30,14 @@ def _fqn(name: str) -> str:
     return name
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``t``; a DTensor (experts FSDP2-sharded over their replicas) is gathered
+    first: a collective over its mesh, in the same parameter order on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+
+
 def has_rank_local(model: nn.Module) -> bool:
     return any(hasattr(p, EP_GROUP_ATTR) for p in model.parameters())
 
@@ -45,10 +53,10 @@ def gather_rank_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, 
         if not hasattr(p, EP_GROUP_ATTR):
             continue
         fqn = _fqn(name)
-        local_model[fqn] = p.detach().cpu()
+        local_model[fqn] = _whole(p)
         state = optimizer.state.get(p)
         if state:
-            local_optim[fqn] = ({k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
+            local_optim[fqn] = ({k: _whole(v) if isinstance(v, torch.Tensor) else v
                                  for k, v in state.items()}, groups.get(id(p), 0))
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object((local_model, local_optim), parts, dst=0)
