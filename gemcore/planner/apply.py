@@ -18,8 +18,8 @@ torch.distributed.pipelining schedule, each stage FSDP2-sharded over dp_shard / 
 order is ``build_mesh`` -> ``apply_tp`` and ``apply_ac`` (on the whole model) -> ``apply_pipeline``
 (split, then FSDP per stage, experts of ``apply_ep`` left out). Experts split over ep < dp_shard
 (or beside dp_replicate) are FSDP2-sharded over the remaining data-parallel ranks
-(:func:`expert_meshes`, :func:`shard_experts`). pp beside cp, ep beside TP or cp, and ep < dp_shard
-inside a pipeline are planned and costed but not applied: :func:`check_supported` says so.
+(:func:`expert_meshes`, :func:`shard_experts`), inside pipeline stages too. pp beside cp, and ep
+beside TP or cp, are planned and costed but not applied: :func:`check_supported` says so.
 """
 from __future__ import annotations
 
@@ -48,10 +48,6 @@ def check_supported(plan: Plan, num_blocks: int | None = None) -> list[str]:
         missing.append(f"ep={plan.ep} with dp_shard={plan.dp_shard}, tp={plan.tp}, cp={plan.cp} (expert "
                        "parallelism is applied over the innermost ep ranks of dp_shard, so ep must divide "
                        "dp_shard, with tp = 1 and cp = 1: no expert TP or experts beside context parallelism yet)")
-    elif plan.ep > 1 and plan.pp > 1 and (plan.ep != plan.dp_shard or plan.dp_replicate > 1):
-        missing.append(f"ep={plan.ep} with pp={plan.pp}, dp_shard={plan.dp_shard}, dp_replicate={plan.dp_replicate} "
-                       "(with a pipeline, experts are applied only with ep = dp_shard and dp_replicate = 1: "
-                       "no expert FSDP inside the stages yet)")
     return missing
 
 
@@ -221,17 +217,7 @@ def apply_plan(model: nn.Module, plan: Plan, device: torch.device, mesh=None, *,
     model = model.to(device)
     model = apply_tp(model, mesh[MeshAxis.TP.value])
     ignored = None
-    expert_mesh = None
-    if plan.ep > 1:
-        from gemcore.planner.expert_parallel import apply_ep, expert_parameters
-
-        if plan.ep == plan.dp_shard and plan.dp_replicate == 1:   # every expert on one rank
-            model = apply_ep(model, mesh[MeshAxis.DP_SHARD.value].get_group(), plan.dp_shard)
-            ignored = expert_parameters(model)
-            log.info("ep=%d over dp_shard: %d expert parameters kept out of FSDP", plan.ep, len(ignored))
-        else:   # experts split over ep, sharded (FSDP2) over the other data-parallel ranks
-            ep_group, expert_mesh = expert_meshes(plan, device.type)
-            model = apply_ep(model, ep_group, 1)   # their gradients are divided by FSDP2 (shard_experts)
+    model, ignored, expert_mesh = _apply_ep(model, plan, mesh, device.type)
     if plan.cp > 1:
         from gemcore.planner.context_parallel import apply_cp
 
@@ -244,6 +230,24 @@ def apply_plan(model: nn.Module, plan: Plan, device: torch.device, mesh=None, *,
         model = apply_fsdp(model, fsdp_mesh(mesh, plan), reshard_after_forward=plan.reshard_after_forward,
                            ignored_params=ignored)
     return model
+
+
+def _apply_ep(model: nn.Module, plan: Plan, mesh, device_type: str):
+    """(model, parameters to keep out of the blocks' FSDP2, expert FSDP mesh or None) after
+    :func:`~gemcore.planner.expert_parallel.apply_ep` when ``plan.ep > 1``."""
+    if plan.ep == 1:
+        return model, None, None
+    from gemcore.planner.expert_parallel import apply_ep, expert_parameters
+
+    if plan.ep == plan.dp_shard and plan.dp_replicate == 1:   # every expert on one rank
+        model = apply_ep(model, mesh[MeshAxis.DP_SHARD.value].get_group(), plan.dp_shard)
+        ignored = expert_parameters(model)
+        log.info("ep=%d over dp_shard: %d expert parameters kept out of FSDP", plan.ep, len(ignored))
+        return model, ignored, None
+    # experts split over ep, sharded (FSDP2) over the other data-parallel ranks; their gradients
+    # are divided there (shard_experts), not by apply_ep's hook
+    ep_group, expert_mesh = expert_meshes(plan, device_type)
+    return apply_ep(model, ep_group, 1), None, expert_mesh
 
 
 def expert_meshes(plan: Plan, device_type: str):
@@ -290,13 +294,11 @@ def _apply_pp(model: nn.Module, plan: Plan, device: torch.device, mesh) -> nn.Mo
     from gemcore.planner.pipeline_parallel import apply_pipeline
 
     model = apply_tp(model.to(device), mesh[MeshAxis.TP.value])
-    ignored = None
-    if plan.ep > 1:   # experts over dp_shard, as without pp; each stage's MoE layers exchange there
-        from gemcore.planner.expert_parallel import apply_ep, expert_parameters
-
-        model = apply_ep(model, mesh[MeshAxis.DP_SHARD.value].get_group(), plan.dp_replicate * plan.dp_shard)
-        ignored = expert_parameters(model)
+    # experts as without pp; each stage's MoE layers exchange over their ep group
+    model, ignored, expert_mesh = _apply_ep(model, plan, mesh, device.type)
     model = apply_ac(model, plan.ac)
+    if expert_mesh is not None:
+        shard_experts(model, expert_mesh, plan.dp_replicate * plan.dp_shard, plan.reshard_after_forward)
     dp_mesh = fsdp_mesh(mesh, plan) if plan.dp_replicate * plan.dp_shard > 1 else None
     return apply_pipeline(model, pp_mesh=mesh[MeshAxis.PP.value], fsdp_mesh=dp_mesh, schedule=plan.schedule,
                           virtual_stages=plan.virtual_stages, mbs=plan.mbs, device=device,
