@@ -164,7 +164,8 @@ class Trainer:
         # a pipeline (pp > 1) steps through forward_backward and holds one stage's parameters per
         # rank; its checkpoint is merged on the first stage's rank
         self.pipelined = callable(getattr(self.model, "forward_backward", None))
-        self.is_main = par.rank == 0 and (not self.pipelined or torch.distributed.get_rank() == 0)
+        # global rank 0 writes (data-parallel rank 0 is also held by its tp/cp/pp peers)
+        self.is_main = par.rank == 0 and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0)
         # devices that share one data-parallel rank's batch (tp x cp x pp): per-device rates divide by it
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self.model_parallel = max(1, world // max(1, par.world_size))
@@ -203,10 +204,13 @@ class Trainer:
             model_state, optim_state = dcp.get_state_dict(self.model, self.optimizer, options=options)
         else:
             model_state, optim_state = self.model.state_dict(), self.optimizer.state_dict()
+        from gemcore.planner.apply import tp_canonical_state
         from gemcore.planner.rank_local_state import gather_rank_local_state, has_rank_local
 
         if self._distributed() and has_rank_local(self.model):   # experts: each rank holds its own
             gather_rank_local_state(self.model, self.optimizer, model_state, optim_state)
+        if model_state:   # TP-reordered rows back to the model's own layout (rank 0's full state)
+            tp_canonical_state(unwrap(self.model), model_state, optim_state, to_model=False)
         return {"format_version": checkpoint.FORMAT_VERSION, "step": self.step,
                 "config": self.config.to_dict(), "model": model_state,
                 "optimizer": optim_state, "scheduler": self.scheduler.state_dict(),
@@ -221,6 +225,10 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any], path: Path | str = CHECKPOINT_NAME) -> None:
         """Restore a checkpoint; errors (another config, wrong shapes) name the file."""
         checkpoint.check_config(state["config"], self.config.to_dict(), path)
+        from gemcore.planner.apply import tp_canonical_state
+
+        # a checkpoint holds the model's own layout; TP-sharded weights want their rows reordered
+        tp_canonical_state(unwrap(self.model), state["model"], state["optimizer"], to_model=True)
         try:
             if self.pipelined:
                 from gemcore.planner.pipeline_parallel import load_pipeline_state_dict

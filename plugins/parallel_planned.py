@@ -8,7 +8,7 @@ localhost:29500). Backend: nccl on CUDA, gloo otherwise.
 * ``planned``: the degrees in ``parallelism.degrees`` (e.g. ``"dp_shard=2,tp=2"``), or the
   ``GEMCORE_PARALLEL_DEGREES`` environment variable while the config section lacks that key.
 * ``auto``: the planner's best plan among those gemcore can apply (pp not beside cp;
-  ep dividing dp_shard, without tp or cp) for the model of this run (``gemcore_configure`` hands it over) on the GPUs
+  ep dividing dp_shard, without cp) for the model of this run (``gemcore_configure`` hands it over) on the GPUs
   launched.
 
 With pp > 1, ``apply`` returns a :class:`~gemcore.planner.pipeline_parallel.PipelinedGemModel`

@@ -50,6 +50,8 @@ def _reference(capsys, *extra: str) -> list[float]:
     (4, "dp_shard=4,ep=2,ac=full", ("--experts", "4")),
     # HSDP with experts: split over dp_shard, replicated (HSDP, shard 1) over dp_replicate
     (4, "dp_replicate=2,dp_shard=2,ep=2", ("--experts", "4")),
+    # experts split over ep and each one tensor-parallel over tp
+    (4, "dp_shard=2,ep=2,tp=2", ("--experts", "4")),
     # one long user: its history is cut between the ranks (continuation + K/V carry), recomputed
     (2, "cp=2,ac=full", ("--batch", "1", "--max-len", "40")),
     (4, "dp_shard=2,cp=2,ac=selective", ("--experts", "4")),
@@ -70,7 +72,7 @@ def test_unapplied_dimensions_are_named():
     missing = " ".join(check_supported(Plan(cp=2, pp=2, dp_shard=2)))         # a pipeline beside cp
     assert "pp=2" in missing and "cp=2" in missing
     assert "ep=2" in " ".join(check_supported(Plan(dp_shard=2, cp=2, ep=2)))  # experts beside cp
-    assert "ep=2" in " ".join(check_supported(Plan(dp_shard=2, tp=2, ep=2)))  # no expert TP
+    assert check_supported(Plan(dp_shard=2, tp=2, ep=2)) == []                # experts TP-sharded too
     assert check_supported(Plan(dp_shard=4, ep=2)) == []                      # experts FSDP over 2
     assert check_supported(Plan(dp_replicate=2, dp_shard=2, ep=2)) == []
     assert check_supported(Plan(pp=2, dp_shard=4, ep=2)) == []                # expert FSDP in stages

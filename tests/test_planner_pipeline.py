@@ -85,6 +85,9 @@ def test_pipeline_losses_match_single_process(capsys, nproc, degrees, extra):
     (2, "pp=2,mbs=5", 0),       # a pipeline, micro-batches of 5 and 3 users
     (2, "dp_shard=2,ep=2", 4),  # experts spread over the ranks: each rank's must reach the checkpoint
     (4, "dp_shard=4,ep=2", 4),  # ... and FSDP2-sharded over the other ranks (DTensor experts)
+    # TP reorders gate_up/qkv rows: the checkpoint must hold the model's own layout; the two tp
+    # ranks of data-parallel rank 0 must not both write the metrics
+    (4, "dp_shard=2,ep=2,tp=2", 4),
 ])
 def test_gem_train_with_a_plan_resumes_and_matches_one_process(tmp_path, nproc, degrees, experts):
     """``gem train --parallel planned``: 2 steps, save, resume for a third; the losses, gradient
@@ -111,8 +114,9 @@ def test_gem_train_with_a_plan_resumes_and_matches_one_process(tmp_path, nproc, 
         [r["loss"] for r in one] + [r["grad_norm"] for r in one], rel=1e-5, abs=1e-6)
     summary = json.loads((tmp_path / "pp" / "summary.json").read_text())
     assert summary["resumed_from_step"] == 2 and degrees.split(",")[0] in summary["parallelism"]
-    # rates are per device: a pipeline's 2 ranks share each batch
-    assert summary["model_parallel"] == (2 if "pp=2" in degrees else 1)
+    # rates are per device: a pipeline's (or a tp group's) ranks share each batch
+    plan = Plan.parse(degrees)
+    assert summary["model_parallel"] == plan.tp * plan.cp * plan.pp
     assert summary["tokens_per_s"] == pytest.approx(
         summary["tokens"] / summary["train_time_s"] / summary["model_parallel"])
     saved, single = (torch.load(tmp_path / name / "checkpoint.pt", weights_only=False) for name in ("pp", "one"))

@@ -18,8 +18,10 @@ torch.distributed.pipelining schedule, each stage FSDP2-sharded over dp_shard / 
 order is ``build_mesh`` -> ``apply_tp`` and ``apply_ac`` (on the whole model) -> ``apply_pipeline``
 (split, then FSDP per stage, experts of ``apply_ep`` left out). Experts split over ep < dp_shard
 (or beside dp_replicate) are FSDP2-sharded over the remaining data-parallel ranks
-(:func:`expert_meshes`, :func:`shard_experts`), inside pipeline stages too. pp beside cp, and ep
-beside TP or cp, are planned and costed but not applied: :func:`check_supported` says so.
+(:func:`expert_meshes`, :func:`shard_experts`), inside pipeline stages too, and with tp each
+expert is TP-sharded as the dense MLPs are. pp beside cp and ep beside cp are planned and costed
+but not applied: :func:`check_supported` says so. Checkpoints hold the unsharded model's layout:
+:func:`tp_canonical_state` undoes the TP row reorder of gate_up/qkv on save and redoes it on load.
 """
 from __future__ import annotations
 
@@ -44,10 +46,10 @@ def check_supported(plan: Plan, num_blocks: int | None = None) -> list[str]:
     if plan.pp > 1 and plan.cp > 1:
         missing.append(f"pp={plan.pp} with cp={plan.cp} (pipeline parallelism is applied beside dp_shard/"
                        "dp_replicate, tp and ep only: a stage's blocks are not context-parallel yet)")
-    if plan.ep > 1 and (plan.dp_shard % plan.ep or plan.tp > 1 or plan.cp > 1):
-        missing.append(f"ep={plan.ep} with dp_shard={plan.dp_shard}, tp={plan.tp}, cp={plan.cp} (expert "
-                       "parallelism is applied over the innermost ep ranks of dp_shard, so ep must divide "
-                       "dp_shard, with tp = 1 and cp = 1: no expert TP or experts beside context parallelism yet)")
+    if plan.ep > 1 and (plan.dp_shard % plan.ep or plan.cp > 1):
+        missing.append(f"ep={plan.ep} with dp_shard={plan.dp_shard}, cp={plan.cp} (expert parallelism is "
+                       "applied over the innermost ep ranks of dp_shard, so ep must divide dp_shard, with "
+                       "cp = 1: no experts beside context parallelism yet)")
     return missing
 
 
@@ -80,6 +82,33 @@ def _interleave_rows(weight: torch.Tensor, parts: int, shards: int) -> torch.Ten
     return torch.cat([per[p][r] for r in range(shards) for p in range(parts)], dim=0)
 
 
+def _deinterleave_rows(weight: torch.Tensor, parts: int, shards: int) -> torch.Tensor:
+    """The inverse of :func:`_interleave_rows`: back to ``parts`` stacked blocks."""
+    pieces = weight.chunk(parts * shards, dim=0)            # [r][p] order
+    return torch.cat([pieces[r * parts + p] for p in range(parts) for r in range(shards)], dim=0)
+
+
+#: model attribute set by :func:`apply_tp`: {parameter name: (parts, shards)} of the weights whose
+#: rows it reordered (checkpoints store them in the model's own order: :func:`tp_canonical_state`)
+TP_ROWS_ATTR = "_gemcore_tp_reordered_rows"
+
+
+def tp_canonical_state(model: nn.Module, model_state: dict, optim_state: dict, *, to_model: bool) -> None:
+    """Undo (``to_model=False``: before saving) or redo (``to_model=True``: before loading) the
+    row reorder of TP-sharded gate_up/qkv weights in a full state dict, in place, for the weights
+    and their optimizer moments: a checkpoint of a tp run then holds the unsharded model's
+    layout and loads into any other layout (and back)."""
+    reordered = getattr(model, TP_ROWS_ATTR, None) or {}
+    fix = _interleave_rows if to_model else _deinterleave_rows
+    for name, (parts, shards) in reordered.items():
+        if name in model_state:
+            model_state[name] = fix(model_state[name], parts, shards)
+        moments = (optim_state.get("state") or {}).get(name) or {}
+        for key, value in moments.items():
+            if isinstance(value, torch.Tensor) and value.dim() == 2:
+                moments[key] = fix(value, parts, shards)
+
+
 def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
     """Tensor parallelism over ``tp_mesh`` (1-D) on every block's MLP (and experts); attention too
     when blocks expose ``head_dim`` (then ``num_heads`` becomes the local head count)."""
@@ -95,12 +124,14 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
         raise ValueError(f"parallelism: tp={tp} with MX layers ({', '.join(mx_layers[:3])}"
                          f"{', ...' if len(mx_layers) > 3 else ''}): precision.impl='mxfp8' does not run on "
                          "tensor-parallel (DTensor) weights yet; use a plan with tp=1 or another precision")
-    done = []
+    done, reordered = [], {}
     for i, block in enumerate(model.blocks):
-        mlps = list(block.mlp.experts) if hasattr(block.mlp, "experts") else [block.mlp]
-        for mlp in mlps:
+        named = ([(f"blocks.{i}.mlp.experts.{j}", e) for j, e in enumerate(block.mlp.experts)]
+                 if hasattr(block.mlp, "experts") else [(f"blocks.{i}.mlp", block.mlp)])
+        for name, mlp in named:
             with torch.no_grad():
                 mlp.gate_up.weight.copy_(_interleave_rows(mlp.gate_up.weight, 2, tp))
+            reordered[f"{name}.gate_up.weight"] = (2, tp)
             parallelize_module(mlp, tp_mesh, {"gate_up": ColwiseParallel(), "down": RowwiseParallel()})
         done.append(f"blocks.{i}.mlp")
         if hasattr(block, "head_dim"):
@@ -108,9 +139,11 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
                 raise ValueError(f"tp={tp} must divide the heads ({block.num_heads})")
             with torch.no_grad():
                 block.qkv.weight.copy_(_interleave_rows(block.qkv.weight, 3, tp))
+            reordered[f"blocks.{i}.qkv.weight"] = (3, tp)
             parallelize_module(block, tp_mesh, {"qkv": ColwiseParallel(), "out": RowwiseParallel()})
             block.num_heads //= tp
             done.append(f"blocks.{i}.attention")
+    setattr(model, TP_ROWS_ATTR, reordered)
     log.info("tp=%d on %s", tp, ", ".join(done))
     return model
 
@@ -300,9 +333,11 @@ def _apply_pp(model: nn.Module, plan: Plan, device: torch.device, mesh) -> nn.Mo
     if expert_mesh is not None:
         shard_experts(model, expert_mesh, plan.dp_replicate * plan.dp_shard, plan.reshard_after_forward)
     dp_mesh = fsdp_mesh(mesh, plan) if plan.dp_replicate * plan.dp_shard > 1 else None
-    return apply_pipeline(model, pp_mesh=mesh[MeshAxis.PP.value], fsdp_mesh=dp_mesh, schedule=plan.schedule,
-                          virtual_stages=plan.virtual_stages, mbs=plan.mbs, device=device,
-                          reshard_after_forward=plan.reshard_after_forward, ignored_params=ignored)
+    pipelined = apply_pipeline(model, pp_mesh=mesh[MeshAxis.PP.value], fsdp_mesh=dp_mesh, schedule=plan.schedule,
+                               virtual_stages=plan.virtual_stages, mbs=plan.mbs, device=device,
+                               reshard_after_forward=plan.reshard_after_forward, ignored_params=ignored)
+    setattr(pipelined, TP_ROWS_ATTR, getattr(model, TP_ROWS_ATTR, {}))   # same parameter names
+    return pipelined
 
 
 __all__ = ["build_mesh", "apply_tp", "apply_ac", "apply_fsdp", "apply_plan", "check_supported",
