@@ -193,24 +193,12 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """The whole training state; under torch.distributed a collective (every rank calls it),
         gathering sharded (FSDP2) or wrapped (DDP) model and optimizer states into full ones."""
-        if self.pipelined:
-            from gemcore.planner.pipeline_parallel import pipeline_state_dict
+        if self._distributed():   # stages, shards, experts and TP layout: gemcore/planner/distributed_state.py
+            from gemcore.planner.distributed_state import full_state_dict
 
-            model_state, optim_state = pipeline_state_dict(self.model, self.optimizer)
-        elif self._distributed():
-            from torch.distributed.checkpoint import state_dict as dcp
-
-            options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
-            model_state, optim_state = dcp.get_state_dict(self.model, self.optimizer, options=options)
+            model_state, optim_state = full_state_dict(unwrap(self.model), self.optimizer)
         else:
             model_state, optim_state = self.model.state_dict(), self.optimizer.state_dict()
-        from gemcore.planner.apply import tp_canonical_state
-        from gemcore.planner.rank_local_state import gather_rank_local_state, has_rank_local
-
-        if self._distributed() and has_rank_local(self.model):   # experts: each rank holds its own
-            gather_rank_local_state(self.model, self.optimizer, model_state, optim_state)
-        if model_state:   # TP-reordered rows back to the model's own layout (rank 0's full state)
-            tp_canonical_state(unwrap(self.model), model_state, optim_state, to_model=False)
         return {"format_version": checkpoint.FORMAT_VERSION, "step": self.step,
                 "config": self.config.to_dict(), "model": model_state,
                 "optimizer": optim_state, "scheduler": self.scheduler.state_dict(),
@@ -225,26 +213,11 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any], path: Path | str = CHECKPOINT_NAME) -> None:
         """Restore a checkpoint; errors (another config, wrong shapes) name the file."""
         checkpoint.check_config(state["config"], self.config.to_dict(), path)
-        from gemcore.planner.apply import tp_canonical_state
-
-        # a checkpoint holds the model's own layout; TP-sharded weights want their rows reordered
-        tp_canonical_state(unwrap(self.model), state["model"], state["optimizer"], to_model=True)
         try:
-            if self.pipelined:
-                from gemcore.planner.pipeline_parallel import load_pipeline_state_dict
+            if self._distributed():
+                from gemcore.planner.distributed_state import load_full_state_dict
 
-                load_pipeline_state_dict(self.model, self.optimizer, state["model"], state["optimizer"])
-            elif self._distributed():
-                from torch.distributed.checkpoint import state_dict as dcp
-
-                from gemcore.planner.rank_local_state import has_rank_local, own_share
-
-                model_state, optim_state = state["model"], state["optimizer"]
-                if has_rank_local(self.model):   # this rank's experts of the merged state
-                    model_state, optim_state = own_share(self.model, model_state, optim_state)
-                dcp.set_state_dict(self.model, self.optimizer, model_state_dict=model_state,
-                                   optim_state_dict=optim_state,
-                                   options=dcp.StateDictOptions(full_state_dict=True))
+                load_full_state_dict(unwrap(self.model), self.optimizer, state["model"], state["optimizer"])
             else:
                 self.model.load_state_dict(state["model"])
                 self.optimizer.load_state_dict(state["optimizer"])

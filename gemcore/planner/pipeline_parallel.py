@@ -380,16 +380,5 @@ def pipeline_state_dict(model: PipelinedGemModel, optimizer) -> tuple[dict, dict
     return merged_model, merged_optim
 
 
-def load_pipeline_state_dict(model: PipelinedGemModel, optimizer, model_state: dict, optim_state: dict) -> None:
-    """Load this rank's share of a full (merged) state from :func:`pipeline_state_dict`."""
-    from torch.distributed.checkpoint import state_dict as dcp
-
-    from gemcore.planner.rank_local_state import own_share
-
-    mine, optim = own_share(model, model_state, optim_state)
-    dcp.set_state_dict(model, optimizer, model_state_dict=mine, optim_state_dict=optim,
-                       options=dcp.StateDictOptions(full_state_dict=True))
-
-
 __all__ = ["apply_pipeline", "PipelinedGemModel", "GemStage", "split_micro_batches", "padded_rows",
-           "stage_blocks", "is_pipelined", "pipeline_state_dict", "load_pipeline_state_dict"]
+           "stage_blocks", "is_pipelined", "pipeline_state_dict"]

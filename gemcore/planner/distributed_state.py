@@ -1,4 +1,14 @@
-"""Checkpoint state of parameters that differ between ranks (expert-parallel experts).
+"""The full (unsharded) training state of a model that torch.distributed spreads over ranks, in
+the one-process model's names and layout: :func:`full_state_dict` to save, :func:`load_full_state_dict`
+to restore, whatever the plan (FSDP2/HSDP, tp, cp, ep, pp).
+
+Three things on top of ``torch.distributed.checkpoint``'s full state dict:
+
+* pipeline stages each hold their own parameters: their states are merged on pp rank 0
+  (:func:`~gemcore.planner.pipeline_parallel.pipeline_state_dict`);
+* tensor parallelism reorders the rows of gate_up/qkv weights: undone on save, redone on load
+  (:func:`~gemcore.planner.apply.tp_canonical_state`);
+* parameters that differ between ranks (expert-parallel experts), below.
 
 ``torch.distributed.checkpoint``'s full state dict gathers FSDP2 shards and TP DTensors into whole
 tensors, but a plain parameter that each rank holds differently (rank r's experts
@@ -83,4 +93,40 @@ def own_share(model: nn.Module, model_state: dict, optim_state: dict) -> tuple[d
     return mine, optim
 
 
-__all__ = ["gather_rank_local_state", "own_share", "has_rank_local"]
+def full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """(model state, optimizer state) of the whole model on global rank 0 (other ranks' dicts are
+    empty or partial: only rank 0 writes). A collective: every rank calls it."""
+    from torch.distributed.checkpoint import state_dict as dcp
+
+    from gemcore.planner.apply import tp_canonical_state
+    from gemcore.planner.pipeline_parallel import is_pipelined, pipeline_state_dict
+
+    if is_pipelined(model):
+        model_state, optim_state = pipeline_state_dict(model, optimizer)
+    else:
+        options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state, optim_state = dcp.get_state_dict(model, optimizer, options=options)
+    if has_rank_local(model):   # experts: each rank holds its own
+        gather_rank_local_state(model, optimizer, model_state, optim_state)
+    if model_state:
+        tp_canonical_state(model, model_state, optim_state, to_model=False)
+    return model_state, optim_state
+
+
+def load_full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
+                         optim_state: dict) -> None:
+    """Restore a :func:`full_state_dict` (every rank passes the whole state; each takes its share).
+    Modifies the given dicts (TP row order)."""
+    from torch.distributed.checkpoint import state_dict as dcp
+
+    from gemcore.planner.apply import tp_canonical_state
+    from gemcore.planner.pipeline_parallel import is_pipelined
+
+    tp_canonical_state(model, model_state, optim_state, to_model=True)
+    if is_pipelined(model) or has_rank_local(model):   # stages / experts: this rank's names only
+        model_state, optim_state = own_share(model, model_state, optim_state)
+    dcp.set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                       options=dcp.StateDictOptions(full_state_dict=True))
+
+
+__all__ = ["full_state_dict", "load_full_state_dict", "gather_rank_local_state", "own_share", "has_rank_local"]
