@@ -9,19 +9,22 @@ of parallelism code.
 What is applied today: dp_shard (FSDP2 ``fully_shard``), dp_replicate x dp_shard (HSDP: a 2-D mesh
 given to ``fully_shard``), tp (``parallelize_module`` with Colwise/RowwiseParallel on each MLP and
 expert: gate_up column-wise, down row-wise; attention projections too when the block exposes
-``head_dim``, otherwise attention stays replicated), ep dividing dp_shard (expert_parallel.py:
-experts spread over the innermost ep ranks of dp_shard, tokens moved by all-to-all), cp (context_parallel.py: each cp rank runs
-the blocks on a cost-balanced contiguous share of the batch's rows; the cp ranks join the FSDP
-mesh as ``dp_shard_cp``), ac (``checkpoint_wrapper`` per block).
+``head_dim``, otherwise attention stays replicated), ep (expert_parallel.py: experts spread over
+the innermost ep ranks of dp_shard x cp, tokens moved by all-to-all), cp (context_parallel.py: each
+cp rank runs the blocks on a cost-balanced contiguous share of the batch's rows; the cp ranks join
+the FSDP mesh as ``dp_shard_cp``), ac (``checkpoint_wrapper`` per block).
 pp (pipeline_parallel.py: the blocks cut into pp x virtual_stages stages run by a
-torch.distributed.pipelining schedule, each stage FSDP2-sharded over dp_shard / HSDP); with pp the
-order is ``build_mesh`` -> ``apply_tp`` and ``apply_ac`` (on the whole model) -> ``apply_pipeline``
-(split, then FSDP per stage, experts of ``apply_ep`` left out). Experts split over ep < dp_shard
-(or beside dp_replicate) are FSDP2-sharded over the remaining data-parallel ranks
-(:func:`expert_meshes`, :func:`shard_experts`), inside pipeline stages too, and with tp each
-expert is TP-sharded as the dense MLPs are. pp beside cp and ep beside cp are planned and costed
-but not applied: :func:`check_supported` says so. Checkpoints hold the unsharded model's layout:
-:func:`tp_canonical_state` undoes the TP row reorder of gate_up/qkv on save and redoes it on load.
+torch.distributed.pipelining schedule, each stage FSDP2-sharded over dp_shard (x cp) / HSDP); with pp
+the order is ``build_mesh`` -> ``apply_tp``, ``apply_ep``, ``apply_cp`` and ``apply_ac`` (on the
+whole model) -> ``apply_pipeline`` (split, then FSDP per stage, experts of ``apply_ep`` left out);
+with cp each stage runs and passes on its cp rank's share of every micro-batch's rows.
+Experts split over ep < dp_shard x cp (or beside dp_replicate) are FSDP2-sharded over the
+remaining data-parallel ranks (:func:`expert_meshes`, :func:`shard_experts`), inside pipeline
+stages too, and with tp each expert is TP-sharded as the dense MLPs are. ep beside cp: the ep
+groups are the innermost ep ranks of dp_shard x cp (TorchTitan's mapping: with ep a multiple of
+cp an ep group holds whole cp groups and ep / cp dp_shard ranks); cp ranks route their own rows.
+Checkpoints hold the unsharded model's layout: :func:`tp_canonical_state` undoes the TP row
+reorder of gate_up/qkv on save and redoes it on load.
 """
 from __future__ import annotations
 
@@ -43,13 +46,6 @@ def check_supported(plan: Plan, num_blocks: int | None = None) -> list[str]:
     if plan.pp > 1 and num_blocks is not None and num_blocks % stages:
         missing.append(f"pp × virtual_stages = {plan.pp} × {plan.virtual_stages} = {stages} (must divide the "
                        f"model's blocks, model.num_blocks = {num_blocks})")
-    if plan.pp > 1 and plan.cp > 1:
-        missing.append(f"pp={plan.pp} with cp={plan.cp} (pipeline parallelism is applied beside dp_shard/"
-                       "dp_replicate, tp and ep only: a stage's blocks are not context-parallel yet)")
-    if plan.ep > 1 and (plan.dp_shard % plan.ep or plan.cp > 1):
-        missing.append(f"ep={plan.ep} with dp_shard={plan.dp_shard}, cp={plan.cp} (expert parallelism is "
-                       "applied over the innermost ep ranks of dp_shard, so ep must divide dp_shard, with "
-                       "cp = 1: no experts beside context parallelism yet)")
     return missing
 
 
@@ -246,20 +242,15 @@ def apply_plan(model: nn.Module, plan: Plan, device: torch.device, mesh=None, *,
         raise ValueError("parallelism: cannot apply " + "; ".join(missing))
     mesh = mesh if mesh is not None else build_mesh(plan, device.type)
     if plan.pp > 1:
-        return _apply_pp(model, plan, device, mesh)
+        return _apply_pp(model, plan, device, mesh, attention)
     model = model.to(device)
     model = apply_tp(model, mesh[MeshAxis.TP.value])
-    ignored = None
     model, ignored, expert_mesh = _apply_ep(model, plan, mesh, device.type)
-    if plan.cp > 1:
-        from gemcore.planner.context_parallel import apply_cp
-
-        model = apply_cp(model, mesh[MeshAxis.CP.value].get_group(), **(attention or {}))
-        log.info("cp=%d: blocks run on cost-balanced row shares, K/V carries all-gathered", plan.cp)
+    model = _apply_cp(model, plan, mesh, attention)
     model = apply_ac(model, plan.ac)
     if expert_mesh is not None:
-        shard_experts(model, expert_mesh, plan.dp_replicate * plan.dp_shard, plan.reshard_after_forward)
-    if plan.dp_replicate * plan.dp_shard * plan.cp > 1:
+        shard_experts(model, expert_mesh, plan.dp * plan.cp, plan.reshard_after_forward)
+    if plan.dp * plan.cp > 1:
         model = apply_fsdp(model, fsdp_mesh(mesh, plan), reshard_after_forward=plan.reshard_after_forward,
                            ignored_params=ignored)
     return model
@@ -272,10 +263,13 @@ def _apply_ep(model: nn.Module, plan: Plan, mesh, device_type: str):
         return model, None, None
     from gemcore.planner.expert_parallel import apply_ep, expert_parameters
 
-    if plan.ep == plan.dp_shard and plan.dp_replicate == 1:   # every expert on one rank
-        model = apply_ep(model, mesh[MeshAxis.DP_SHARD.value].get_group(), plan.dp_shard)
+    if plan.ep == plan.fsdp_size and plan.dp_replicate == 1:   # every expert on one rank
+        group = mesh[MeshAxis.DP_SHARD.value].get_group() if plan.cp == 1 else expert_meshes(plan, device_type)[0]
+        # the owner's gradient sums the tokens of all dp_shard x cp ranks, each back-propagating
+        # cp x its rows' share of its data-parallel rank's loss (context_parallel.py): / (dp_shard x cp)
+        model = apply_ep(model, group, plan.fsdp_size)
         ignored = expert_parameters(model)
-        log.info("ep=%d over dp_shard: %d expert parameters kept out of FSDP", plan.ep, len(ignored))
+        log.info("ep=%d over dp_shard x cp: %d expert parameters kept out of FSDP", plan.ep, len(ignored))
         return model, ignored, None
     # experts split over ep, sharded (FSDP2) over the other data-parallel ranks; their gradients
     # are divided there (shard_experts), not by apply_ep's hook
@@ -284,26 +278,42 @@ def _apply_ep(model: nn.Module, plan: Plan, mesh, device_type: str):
 
 
 def expert_meshes(plan: Plan, device_type: str):
-    """(ep ProcessGroup, expert FSDP mesh) for ep < dp_shard or dp_replicate > 1: dp_shard is cut
-    into (dp_shard / ep, ep), ep innermost (consecutive ranks), as the planner costs it; experts are
-    split over ``ep`` and FSDP2-sharded over ``dp_shard / ep`` (HSDP with dp_replicate). A second
-    DeviceMesh over the same ranks (its own process groups): every rank calls this."""
+    """(ep ProcessGroup, expert FSDP mesh): the data-parallel ranks of a pipeline stage and tp
+    rank, dp_shard x cp (cp varying fastest, as in the main mesh), are cut into
+    (dp_shard x cp / ep, ep), ep innermost, as the planner costs it and as TorchTitan borrows ep
+    from dp_shard x cp. With ep a multiple of cp an ep group holds whole cp groups; with ep
+    dividing cp it is part of one. Experts are split over ``ep`` and FSDP2-sharded over the
+    ``dp_shard x cp / ep`` others (HSDP with dp_replicate). A second DeviceMesh over the same
+    ranks (its own process groups): every rank calls this."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    rest = plan.dp_shard // plan.ep
-    names = ("e_pp", "e_dp_replicate", "e_dp_shard_mod_ep", "e_ep", "e_cp", "e_tp")
-    emesh = init_device_mesh(device_type, (plan.pp, plan.dp_replicate, rest, plan.ep, plan.cp, plan.tp),
+    rest = plan.fsdp_size // plan.ep
+    names = ("e_pp", "e_dp_replicate", "e_dp_mod_ep", "e_ep", "e_tp")
+    emesh = init_device_mesh(device_type, (plan.pp, plan.dp_replicate, rest, plan.ep, plan.tp),
                              mesh_dim_names=names)
-    fsdp = emesh[("e_dp_replicate", "e_dp_shard_mod_ep")] if plan.dp_replicate > 1 else emesh["e_dp_shard_mod_ep"]
-    log.info("ep=%d over the innermost ranks of dp_shard; experts FSDP over %s", plan.ep, fsdp.mesh_dim_names)
+    fsdp = emesh[("e_dp_replicate", "e_dp_mod_ep")] if plan.dp_replicate > 1 else emesh["e_dp_mod_ep"]
+    log.info("ep=%d over the innermost ranks of dp_shard x cp; experts FSDP over %s", plan.ep,
+             fsdp.mesh_dim_names)
     return emesh["e_ep"].get_group(), fsdp
+
+
+def _apply_cp(model: nn.Module, plan: Plan, mesh, attention: dict | None) -> nn.Module:
+    """:func:`~gemcore.planner.context_parallel.apply_cp` over the cp mesh dimension when cp > 1."""
+    if plan.cp == 1:
+        return model
+    from gemcore.planner.context_parallel import apply_cp
+
+    model = apply_cp(model, mesh[MeshAxis.CP.value].get_group(), **(attention or {}))
+    log.info("cp=%d: blocks run on cost-balanced row shares, K/V carries all-gathered", plan.cp)
+    return model
 
 
 def shard_experts(model: nn.Module, expert_mesh, data_parallel_size: int, reshard_after_forward: bool) -> None:
     """FSDP2 on each expert-parallel MoE's experts over ``expert_mesh`` (before the blocks' FSDP2,
     which then leaves them alone). An expert's local gradient sums the ep group's tokens; FSDP2
     averages it over the expert mesh, and a post-reduce hook divides by the rest of
-    ``data_parallel_size`` (all data-parallel ranks): the mean loss's gradient. (Not
+    ``data_parallel_size`` (dp_replicate x dp_shard x cp: with cp each rank back-propagates cp x
+    its rows' share, as for the dense weights): the mean loss's gradient. (Not
     ``set_gradient_divide_factor``: its PREMUL_SUM reduction does not exist in gloo.) FSDP2 makes
     new parameters: the ep mark is set on them again."""
     from torch.distributed.fsdp import fully_shard
@@ -320,19 +330,22 @@ def shard_experts(model: nn.Module, expert_mesh, data_parallel_size: int, reshar
             setattr(p, EP_GROUP_ATTR, mark)
 
 
-def _apply_pp(model: nn.Module, plan: Plan, device: torch.device, mesh) -> nn.Module:
-    """pp > 1 (alone or beside dp_shard/dp_replicate and tp): tensor parallelism and recompute per
-    block on the whole model, then split into stages with FSDP2 per stage (pipeline_parallel.py);
-    the tensors passed between stages are the blocks' replicated (plain) outputs."""
+def _apply_pp(model: nn.Module, plan: Plan, device: torch.device, mesh, attention: dict | None) -> nn.Module:
+    """pp > 1 (beside any of dp_shard/dp_replicate, tp, ep, cp): tensor parallelism, experts,
+    context parallelism and recompute per block on the whole model, then split into stages with
+    FSDP2 per stage over dp_shard (x cp) (pipeline_parallel.py); the tensors passed between stages
+    are the blocks' replicated (plain) outputs, with cp this rank's share of each micro-batch's rows
+    (a stage's cp peers run the same schedule, so their collectives pair up)."""
     from gemcore.planner.pipeline_parallel import apply_pipeline
 
     model = apply_tp(model.to(device), mesh[MeshAxis.TP.value])
     # experts as without pp; each stage's MoE layers exchange over their ep group
     model, ignored, expert_mesh = _apply_ep(model, plan, mesh, device.type)
+    model = _apply_cp(model, plan, mesh, attention)
     model = apply_ac(model, plan.ac)
     if expert_mesh is not None:
-        shard_experts(model, expert_mesh, plan.dp_replicate * plan.dp_shard, plan.reshard_after_forward)
-    dp_mesh = fsdp_mesh(mesh, plan) if plan.dp_replicate * plan.dp_shard > 1 else None
+        shard_experts(model, expert_mesh, plan.dp * plan.cp, plan.reshard_after_forward)
+    dp_mesh = fsdp_mesh(mesh, plan) if plan.dp * plan.cp > 1 else None
     pipelined = apply_pipeline(model, pp_mesh=mesh[MeshAxis.PP.value], fsdp_mesh=dp_mesh, schedule=plan.schedule,
                                virtual_stages=plan.virtual_stages, mbs=plan.mbs, device=device,
                                reshard_after_forward=plan.reshard_after_forward, ignored_params=ignored)

@@ -248,21 +248,56 @@ class ContextParallelGemModel(GemModel):
     cp_row_flops = 1.0
 
     def forward(self, batch) -> torch.Tensor:
-        group = self.cp_group
-        cp, rank = dist.get_world_size(group), dist.get_rank(group)
         x, seq_offsets, cand_pos, cand_item = self.embed(batch)
-        num_targets = batch.cand_offsets.diff()
-        cuts = split_rows(seq_offsets, num_targets, cp, attn_flops=self.cp_attn_flops,
-                          row_flops=self.cp_row_flops)
-        share = make_share(seq_offsets, num_targets, cuts, rank, group, batch.max_len)
+        layout = share_batch(seq_offsets, batch.cand_offsets.diff(), cand_pos, self.cp_group,
+                             attn_flops=self.cp_attn_flops, row_flops=self.cp_row_flops, max_seqlen=batch.max_len)
+        share, (lo, hi) = layout.share, layout.cands
         x = x[share.start:share.end]
         for block in self.blocks:
             x = block(x, share, None, batch.max_len)
-        bounds = torch.searchsorted(cand_pos, torch.tensor(cuts, device=cand_pos.device)).tolist()
-        lo, hi = bounds[rank], bounds[rank + 1]
         local = self.score(x[cand_pos[lo:hi] - share.start], cand_item[lo:hi])
-        counts = [bounds[r + 1] - bounds[r] for r in range(cp)]
-        return gather_rows(local[:, None], counts, group).squeeze(-1)
+        return gather_logits(local, layout)
+
+
+class ShareLayout:
+    """Every cp rank's share of one batch, as :func:`share_batch` cuts it: ``share`` (this rank's
+    :class:`JaggedShare`), ``cuts`` (cp + 1,) row bounds and ``cand_bounds`` (cp + 1,) candidate
+    bounds of the ranks' shares (candidates in the batch's ``(C,)`` order)."""
+
+    __slots__ = ("share", "cuts", "cand_bounds")
+
+    def __init__(self, share: JaggedShare, cuts: list[int], cand_bounds: list[int]):
+        self.share, self.cuts, self.cand_bounds = share, cuts, cand_bounds
+
+    @property
+    def cands(self) -> tuple[int, int]:
+        """This rank's candidates ``[lo, hi)``."""
+        rank = dist.get_rank(self.share.group)
+        return self.cand_bounds[rank], self.cand_bounds[rank + 1]
+
+    def widest(self) -> int:
+        """The largest rows + candidates of any rank's share (what a pipeline stage passes on)."""
+        return max(self.cuts[r + 1] - self.cuts[r] + self.cand_bounds[r + 1] - self.cand_bounds[r]
+                   for r in range(len(self.cuts) - 1))
+
+
+def share_batch(seq_offsets: torch.Tensor, num_targets: torch.Tensor, cand_pos: torch.Tensor, group, *,
+                attn_flops: float, row_flops: float, max_seqlen) -> ShareLayout:
+    """Cut a merged batch (``seq_offsets`` (B+1,), ``num_targets`` (B,), ``cand_pos`` (C,) rows of
+    the candidates) over the cp ``group``: :func:`split_rows`, this rank's :func:`make_share` and
+    the candidates of each share."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    cuts = split_rows(seq_offsets, num_targets, cp, attn_flops=attn_flops, row_flops=row_flops)
+    share = make_share(seq_offsets, num_targets, cuts, rank, group, max_seqlen)
+    bounds = torch.searchsorted(cand_pos, torch.tensor(cuts, device=cand_pos.device)).tolist()
+    return ShareLayout(share, cuts, bounds)
+
+
+def gather_logits(local: torch.Tensor, layout: ShareLayout) -> torch.Tensor:
+    """This rank's candidates' logits (hi - lo,) -> every candidate's (C,), with autograd."""
+    b = layout.cand_bounds
+    counts = [b[r + 1] - b[r] for r in range(len(b) - 1)]
+    return gather_rows(local[:, None], counts, layout.share.group).squeeze(-1)
 
 
 def apply_cp(model: nn.Module, cp_group, *, activation: str = "softmax", scale=None, norm=None) -> nn.Module:
@@ -283,5 +318,5 @@ def apply_cp(model: nn.Module, cp_group, *, activation: str = "softmax", scale=N
     return model
 
 
-__all__ = ["JaggedShare", "split_rows", "make_share", "gather_rows", "offset_attention", "attend_share",
-           "ContextParallelAttention", "ContextParallelGemModel", "apply_cp"]
+__all__ = ["JaggedShare", "ShareLayout", "split_rows", "make_share", "share_batch", "gather_rows", "gather_logits",
+           "offset_attention", "attend_share", "ContextParallelAttention", "ContextParallelGemModel", "apply_cp"]

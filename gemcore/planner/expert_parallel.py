@@ -21,7 +21,9 @@ be passed instead of the group.
 
 Gradients: an expert's gradient on its owner sums the contributions of every ep rank's tokens,
 while FSDP averages dense gradients over the ``dp`` data-parallel ranks; a hook divides expert
-gradients by ``dp`` so both are gradients of the same global mean loss. Expert parameters are
+gradients by ``dp`` so both are gradients of the same global mean loss (with context parallelism
+``dp`` counts the cp ranks too: each back-propagates cp times its rows' share of the loss, and FSDP
+averages over dp_shard x cp). Expert parameters are
 left out of FSDP (``ignored_params``) and marked with ``EP_GROUP_ATTR`` so gradient clipping sums
 their norms over the ep group.
 """

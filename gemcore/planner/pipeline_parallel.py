@@ -35,9 +35,19 @@ costs one rebuild (Python objects, a p2p warm-up and fresh receive buffers), a r
 Evaluation (:meth:`PipelinedGemModel.predict`) runs the stages in order on the whole batch as one
 micro-batch with blocking send/recv (no schedule), and broadcasts the logits over the pp group.
 
-Not combined with cp (``apply.check_supported`` says so); dp_shard and dp_replicate (FSDP2 /
-HSDP per stage), tp and ep (applied to the blocks before the split; experts stay out of the
-stages' FSDP2) and activation checkpointing are.
+**Context parallelism** (cp > 1: ``apply_cp`` done on the whole model before the split). Every
+rank of a stage's cp group holds the same micro-batches; each cuts every micro-batch's merged rows
+as :class:`~gemcore.planner.context_parallel.ContextParallelGemModel` does (``share_batch``: the
+same cuts on every stage, computed from the batch) and ``h`` carries only this rank's share: its
+rows, then the item embeddings of its candidates, then zeros up to R = the widest share's rows +
+candidates over the cp ranks (rounded as above). The blocks get the share in place of the
+offsets (K/V carries all-gathered over the cp group inside the stage); the last stage scores its
+candidates and all-gathers the logits over the cp group, so the loss is the micro-batch's on every
+cp rank. The cp peers of a stage run the same schedule, so their collectives (K/V and logits
+gathers, FSDP2 over dp_shard x cp) pair up; the p2p of each pipeline stays within its cp rank.
+
+Also combined: dp_shard and dp_replicate (FSDP2 / HSDP per stage), tp and ep (applied to the blocks
+before the split; experts stay out of the stages' FSDP2) and activation checkpointing.
 """
 from __future__ import annotations
 
@@ -94,6 +104,17 @@ class MicroBatch:
     seq_offsets: torch.Tensor     #: (b+1,) offsets of the merged sequences
     num_targets: torch.Tensor     #: (b,) candidates per user
     cand_pos: torch.Tensor        #: (C,) rows of the merged sequences holding candidates
+    cp: object = None             #: cp > 1: the ShareLayout of this micro-batch over the cp group
+
+    @property
+    def local_rows(self) -> tuple[int, int]:
+        """The merged rows ``[start, end)`` this rank's blocks run on (all of them without cp)."""
+        return (self.cp.share.start, self.cp.share.end) if self.cp is not None else (0, self.rows)
+
+    @property
+    def local_cands(self) -> tuple[int, int]:
+        """The candidates ``[lo, hi)`` this rank scores (all of them without cp)."""
+        return self.cp.cands if self.cp is not None else (0, self.cands)
 
 
 def split_micro_batches(batch: JaggedBatch, mbs: int) -> list[MicroBatch]:
@@ -165,17 +186,25 @@ class GemStage(nn.Module):
                                f"{len(ctx.micro)} micro-batches")
         mb = ctx.micro[self.calls]
         self.calls += 1
-        if self.is_first:   # x: the micro-batch index; embed and lay out [merged rows, cand items, zeros]
+        (start, end), (lo, hi) = mb.local_rows, mb.local_cands
+        if self.is_first:   # x: the micro-batch index; embed and lay out [own rows, own cand items, zeros]
             merged, _, _, cand_item = GemModel.embed(self, mb.batch)
-            pad = ctx.rows - mb.rows - mb.cands
+            merged, cand_item = merged[start:end], cand_item[lo:hi]
+            pad = ctx.rows - merged.shape[0] - cand_item.shape[0]
             x = torch.cat([merged, cand_item.to(merged.dtype), merged.new_zeros(pad, merged.shape[1])])
-        real, rest = x[:mb.rows], x[mb.rows:]
+        real, rest = x[:end - start], x[end - start:]
+        # with cp the blocks' attention hooks take the share in place of the offsets
+        offsets, targets = (mb.cp.share, None) if mb.cp is not None else (mb.seq_offsets, mb.num_targets)
         for block in self.blocks.values():
-            real = block(real, mb.seq_offsets, mb.num_targets, mb.batch.max_len)
+            real = block(real, offsets, targets, mb.batch.max_len)
         if not self.is_last:
             return torch.cat([real.to(self.dtype), rest.to(self.dtype)])
-        logits = GemModel.score(self, real[mb.cand_pos], rest[:mb.cands]).to(logit_dtype(self.dtype))
-        return F.pad(logits, (0, ctx.cands - mb.cands))
+        logits = GemModel.score(self, real[mb.cand_pos[lo:hi] - start], rest[:hi - lo])
+        if mb.cp is not None:   # every candidate's logit on every cp rank
+            from gemcore.planner.context_parallel import gather_logits
+
+            logits = gather_logits(logits, mb.cp)
+        return F.pad(logits.to(logit_dtype(self.dtype)), (0, ctx.cands - mb.cands))
 
 
 class PipelinedGemModel(nn.Module):
@@ -183,7 +212,7 @@ class PipelinedGemModel(nn.Module):
     GemModel's names; train it with :meth:`forward_backward`, evaluate with :meth:`predict`."""
 
     def __init__(self, stages: list[GemStage], pp_group, schedule: str, mbs: int, device: torch.device,
-                 hidden: int, dtype: torch.dtype):
+                 hidden: int, dtype: torch.dtype, cp: dict | None = None):
         super().__init__()
         self.blocks = nn.ModuleDict()
         for stage in stages:   # register the parts (not the stages: names stay GemModel's)
@@ -199,6 +228,7 @@ class PipelinedGemModel(nn.Module):
         self.pp_rank = dist.get_rank(pp_group)
         self.num_stages = stages[0].num_stages
         self.context = stages[0].context
+        self.cp = cp   # cp > 1: share_batch's group and cost weights (group, attn_flops, row_flops)
         self._schedules: OrderedDict = OrderedDict()
 
     @property
@@ -260,7 +290,13 @@ class PipelinedGemModel(nn.Module):
         if batch.batch_size < 1:
             raise ValueError("pipeline: a step needs at least one user")
         micro = split_micro_batches(batch, mbs)
-        rows = padded_rows(max(m.rows + m.cands for m in micro))
+        if self.cp is not None:   # each micro-batch's rows cut over the cp group, as ContextParallelGemModel does
+            from gemcore.planner.context_parallel import share_batch
+
+            for m in micro:
+                m.cp = share_batch(m.seq_offsets, m.num_targets, m.cand_pos, max_seqlen=m.batch.max_len, **self.cp)
+        # every cp rank of a stage passes the same shape: the widest share's
+        rows = padded_rows(max(m.cp.widest() if m.cp is not None else m.rows + m.cands for m in micro))
         cands = padded_rows(max(m.cands for m in micro))
         self.context.begin(micro, rows, cands, scale)
         for stage in self._stages:
@@ -326,7 +362,9 @@ def apply_pipeline(model: GemModel, *, pp_mesh, fsdp_mesh=None, schedule: str = 
                    ignored_params: set | None = None) -> PipelinedGemModel:
     """Split ``model`` (activation checkpointing already applied) into pp · virtual_stages stages,
     keep this rank's, shard each over ``fsdp_mesh`` (FSDP2, per block then the stage) when given;
-    ``ignored_params`` (expert-parallel experts) stay out of FSDP."""
+    ``ignored_params`` (expert-parallel experts) stay out of FSDP. A ``ContextParallelGemModel``
+    (``apply_cp`` done on the whole model) gives context-parallel stages: each micro-batch's rows are
+    cut over its cp group and each stage runs and passes on this rank's share only."""
     pp = pp_mesh.size()
     blocks = stage_blocks(len(model.blocks), pp, virtual_stages)
     pp_rank = pp_mesh.get_local_rank()
@@ -344,7 +382,12 @@ def apply_pipeline(model: GemModel, *, pp_mesh, fsdp_mesh=None, schedule: str = 
             for block in stage.blocks.values():
                 fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=kept)
             fully_shard(stage, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=kept)
-    out = PipelinedGemModel(stages, pp_mesh.get_group(), schedule, mbs, device, model.cfg.hidden, dtype)
+    from gemcore.planner.context_parallel import ContextParallelGemModel
+
+    cp = None
+    if isinstance(model, ContextParallelGemModel):
+        cp = {"group": model.cp_group, "attn_flops": model.cp_attn_flops, "row_flops": model.cp_row_flops}
+    out = PipelinedGemModel(stages, pp_mesh.get_group(), schedule, mbs, device, model.cfg.hidden, dtype, cp)
     log.info("pp=%d (%s, v=%d): rank %d holds stages %s, blocks %s%s", pp, schedule, virtual_stages, pp_rank,
              out.stage_indices, [list(stage.blocks) for stage in stages],
              f", FSDP over {fsdp_mesh.mesh_dim_names}" if fsdp_mesh is not None else "")
