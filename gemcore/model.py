@@ -54,11 +54,12 @@ class MoEMLP(nn.Module):
         # one host sync per MoE layer for the split sizes (documented; EP replaces this path)
         counts = torch.bincount(flat_expert, minlength=len(self.experts)).tolist()
         out = torch.zeros_like(x)
+        # every expert runs, on zero rows too: each then has a (zero) gradient, so data-parallel
+        # ranks reduce the same parameters whichever experts their tokens picked
         for e, chunk in zip(self.experts, order.split(counts)):
-            if chunk.numel():
-                rows = chunk // self.top_k
-                y = e(x[rows]) * weights.reshape(-1)[chunk, None]
-                out.index_add_(0, rows, y.to(out.dtype))
+            rows = chunk // self.top_k
+            y = e(x[rows]) * weights.reshape(-1)[chunk, None]
+            out.index_add_(0, rows, y.to(out.dtype))
         return out
 
 

@@ -7,8 +7,8 @@ localhost:29500). Backend: nccl on CUDA, gloo otherwise.
 * ``fsdp``: every rank in dp_shard (FSDP2 over the world).
 * ``planned``: the degrees in ``parallelism.degrees`` (e.g. ``"dp_shard=2,tp=2"``), or the
   ``GEMCORE_PARALLEL_DEGREES`` environment variable while the config section lacks that key.
-* ``auto``: the planner's best plan among those gemcore can apply (pp not beside cp;
-  ep dividing dp_shard, without cp) for the model of this run (``gemcore_configure`` hands it over) on the GPUs
+* ``auto``: the planner's best plan among those gemcore can apply (``check_supported``: pp ×
+  virtual stages dividing the blocks) for the model of this run (``gemcore_configure`` hands it over) on the GPUs
   launched.
 
 With pp > 1, ``apply`` returns a :class:`~gemcore.planner.pipeline_parallel.PipelinedGemModel`

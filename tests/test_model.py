@@ -108,3 +108,16 @@ def test_synthetic_data_is_deterministic_and_heavy_tailed():
     assert lengths.min() >= 8 and lengths.max() <= 256
     assert lengths.max() > 4 * lengths.median()  # heavy tail
     assert 0.1 < a.labels.mean() < 0.9
+
+
+def test_moe_gives_every_expert_a_gradient_even_without_tokens():
+    """Data-parallel ranks must reduce the same parameters whatever their tokens picked: an
+    expert no token was routed to gets a zero gradient, not none (FSDP2 failed on the difference)."""
+    from gemcore.model import MoEMLP
+
+    torch.manual_seed(0)
+    moe = MoEMLP(hidden=8, inner=16, num_experts=4, top_k=1)
+    moe(torch.randn(1, 8)).sum().backward()  # one token: three experts see no rows
+    grads = [p.grad for e in moe.experts for p in e.parameters()]
+    assert all(g is not None for g in grads)
+    assert sum(bool(g.abs().sum() == 0) for g in grads) >= 2 * sum(1 for _ in moe.experts[0].parameters())
