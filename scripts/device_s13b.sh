@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Session 13 GPU run 2: the jagged attention tests on the GPU, then the attention benchmark with
-# the compact tile schedule (this tree) and without it (ab_old: HEAD before it), same machine.
+# the compact tile schedule (the tree then) and without it (ab_old: `git archive HEAD` unpacked
+# beside it before the run), same machine. The schedule was measured no faster and reverted, so
+# re-running this now compares two equal trees (make ab_old from the commit to compare against).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
