@@ -260,7 +260,7 @@ def _fmt_args(elem: str, scale_rule: str, soft_round: bool | None) -> dict:
 #: quantize_mx_triton picks the kernel: NBLK -> flat, BLOCK_R/NB -> rows, NB/BLOCK_C -> columns
 FLAT_TILE = dict(NBLK=128, num_warps=4)  # contiguous rows of whole blocks (the common case)
 ROWS_TILE = dict(BLOCK_R=16, NB=16, num_warps=8)  # strided rows or a short last block
-COLS_TILE = dict(NB=1, BLOCK_C=256, num_warps=2)
+COLS_TILE = dict(NB=1, BLOCK_C=128, num_warps=1)  # one warp: a block's 32 rows reduce in-thread
 BOTH_TILE = dict(NBR=2, NBC=2, num_warps=2)
 
 

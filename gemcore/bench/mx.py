@@ -34,7 +34,9 @@ CAST_TILES = {
              dict(NB=2, BLOCK_C=128, num_warps=2), dict(NB=1, BLOCK_C=256, num_warps=1),
              dict(NB=2, BLOCK_C=256, num_warps=2), dict(NB=1, BLOCK_C=512, num_warps=2),
              dict(NB=4, BLOCK_C=64, num_warps=2), dict(NB=2, BLOCK_C=256, num_warps=4),
-             dict(NB=4, BLOCK_C=128, num_warps=4), dict(NB=1, BLOCK_C=128, num_warps=1)],
+             dict(NB=4, BLOCK_C=128, num_warps=4), dict(NB=1, BLOCK_C=128, num_warps=1),
+             dict(NB=1, BLOCK_C=64, num_warps=1), dict(NB=2, BLOCK_C=64, num_warps=1),
+             dict(NB=2, BLOCK_C=128, num_warps=1), dict(NB=1, BLOCK_C=32, num_warps=1)],
     "both": [dict(NBR=1, NBC=2, num_warps=1), dict(NBR=1, NBC=4, num_warps=1), dict(NBR=1, NBC=4, num_warps=2),
              dict(NBR=2, NBC=2, num_warps=2), dict(NBR=2, NBC=1, num_warps=1), dict(NBR=1, NBC=2, num_warps=4)],
 }
