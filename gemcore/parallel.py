@@ -10,7 +10,7 @@ class Parallelism:
 
     ``rank`` / ``world_size``: this process's place among the data-parallel readers (the sampler
     shards by them). ``apply(model, device)`` returns the model ready to train. ``describe()`` is a
-    one-line summary for logs. The built-in ``single`` is one process with no parallelism.
+    one-line summary for logs; ``close()`` releases its process groups at the end of the run. The built-in ``single`` is one process with no parallelism.
     """
 
     name = "single"
@@ -22,6 +22,9 @@ class Parallelism:
 
     def describe(self) -> str:
         return "single process, no parallelism"
+
+    def close(self) -> None:
+        """Release what this parallelism set up (process groups); called once, after the run."""
 
     def all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         """Average a metric tensor over ranks (identity for one process)."""

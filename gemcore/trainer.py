@@ -277,6 +277,16 @@ class Trainer:
         return loss.detach(), None if grad_norm is None else grad_norm.detach()
 
     @torch.no_grad()
+    def close(self) -> None:
+        """End of the run: the parallelism's process groups, then the communicator, released."""
+        close = getattr(self.parts.parallelism, "close", None)  # third-party ones may lack it
+        if close is not None:
+            close()
+        if self.parts.comm is not None:
+            from gemcore import comms
+
+            comms.finalize()
+
     def evaluate(self, max_users: int) -> float:
         """Held-out AUC over up to ``max_users`` users."""
         self.model.eval()
@@ -509,6 +519,7 @@ def run_training(config: Config, manager: GemPluginManager, *, resume: str | Non
 
         plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
     manager.hook.gemcore_end_run(summary=summary, run_dir=run_dir)
+    trainer.close()
     return summary, run_dir
 
 

@@ -46,17 +46,19 @@ def launcher_env() -> dict[str, int]:
     return {"rank": rank, "world_size": world, "local_rank": local_rank, "local_world_size": local_world}
 
 
-def init_process_group(env: dict[str, int]) -> None:
+def init_process_group(env: dict[str, int]) -> bool:
+    """Join the launcher's default process group; False when one already exists (not ours)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
-        return
+        return False
     os.environ.setdefault("MASTER_ADDR", "localhost")
     os.environ.setdefault("MASTER_PORT", "29500")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(env["local_rank"])
     dist.init_process_group(backend, rank=env["rank"], world_size=env["world_size"])
+    return True
 
 
 class PlannedParallelism(Parallelism):
@@ -77,10 +79,11 @@ class PlannedParallelism(Parallelism):
         self.plan, self.env = plan, env
         self.mesh = None
         self.rank, self.world_size = 0, 1
+        self._owns_group = False
         if env["world_size"] > 1:
             from gemcore.planner.apply import build_mesh, data_parallel_coordinates
 
-            init_process_group(env)
+            self._owns_group = init_process_group(env)
             self.mesh = build_mesh(plan, "cuda" if torch.cuda.is_available() else "cpu")
             self.rank, self.world_size = data_parallel_coordinates(self.mesh)
 
@@ -90,6 +93,17 @@ class PlannedParallelism(Parallelism):
         from gemcore.planner.apply import apply_plan
 
         return apply_plan(model, self.plan, device, self.mesh, attention=_attention_spec())
+
+    def close(self) -> None:
+        """Tear down the process group this object made, once every rank is past its last
+        collective (a rank destroying its gloo groups while a peer still had one in flight
+        aborted that peer)."""
+        import torch.distributed as dist
+
+        if self._owns_group and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+        self._owns_group = False
 
     def describe(self) -> str:
         degrees = ", ".join(f"{k}={v}" for k, v in self.plan.degrees().items() if v > 1) or "1 process"

@@ -226,3 +226,34 @@ def test_resume_is_bit_exact_with_the_default_random_sampler(tmp_path):
     assert train(tmp_path, "--name", "S", *args, "--stop-after", "2") == 0
     assert main(["train", "--quiet", "--resume", str(tmp_path / "S")]) == 0
     assert len(losses(tmp_path / "R")) == 4 and losses(tmp_path / "R") == losses(tmp_path / "S")
+
+
+def test_the_run_closes_its_parallelism_at_the_end(tmp_path):
+    """run_training calls the parallelism's close() once, after the summary (the built-in planned
+    one tears its process group down there)."""
+    from gemcore.config import load_config
+    from gemcore.hookspecs import hookimpl
+    from gemcore.parallel import Parallelism
+    from gemcore.plugin_manager import create_plugin_manager
+    from gemcore.trainer import run_training
+
+    closed = []
+
+    class Recording(Parallelism):
+        name = "recording"
+
+        def close(self):
+            closed.append(True)
+
+    class Plugin:
+        @hookimpl
+        def gemcore_parallelism_impls(self):
+            return {"recording": lambda config, comm=None: Recording()}
+
+    manager = create_plugin_manager()
+    manager.register(Plugin(), name="recording-test")
+    config = load_config(None, ["model.hidden=16", "data.num_users=32", "data.batch_size=8",
+                                "data.max_len=16", "run.eval_users=8", "run.max_steps=1",
+                                "parallelism.impl='recording'", f"run.out_dir='{tmp_path}'"])
+    summary, _ = run_training(config, manager)
+    assert summary["steps"] == 1 and closed == [True]
