@@ -111,3 +111,44 @@ def test_measure_on_this_machine_and_calibrated_rates_reach_the_cost_model():
 def test_measure_rejects_an_unknown_backend():
     with pytest.raises(ValueError, match="backend"):
         measure(SMALL, lengths=[3], backend="nope", size=64)
+
+
+class _Clock:
+    """A fake ``time`` module: each call of the timed function advances it by the next duration."""
+
+    def __init__(self, durations):
+        self.now, self.durations, self.calls = 0.0, list(durations), 0
+
+    def perf_counter(self):
+        return self.now
+
+    def call(self):
+        self.now += self.durations[min(self.calls, len(self.durations) - 1)]
+        self.calls += 1
+
+
+def test_cpu_timing_is_the_mean_over_the_window_so_a_descheduled_call_counts(monkeypatch):
+    import gemcore.planner.calibrate as cal
+
+    # warm-up 1 s, then four 1 s calls and one that lost its core for 9 s more
+    clock = _Clock([1.0, 1.0, 1.0, 10.0, 1.0, 1.0])
+    monkeypatch.setattr(cal, "time", clock)
+    assert cal._timed(clock.call, repeats=5, budget_s=0.0) == pytest.approx(14.0 / 5)
+    assert clock.calls == 6                               # exactly `repeats` after the warm-up
+    # a GPU keeps the median: host jitter hides behind asynchronous launches
+    clock = _Clock([1.0, 1.0, 1.0, 10.0, 1.0, 1.0])
+    monkeypatch.setattr(cal, "time", clock)
+    monkeypatch.setattr(cal.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cal, "_sync", lambda: None)
+    assert cal._timed(clock.call, repeats=5, budget_s=0.0) == 1.0
+
+
+def test_cpu_window_spans_several_of_the_slowest_calls(monkeypatch):
+    import gemcore.planner.calibrate as cal
+
+    clock = _Clock([0.5, 0.1])            # warm-up 0.5 s, then 0.1 s a call
+    monkeypatch.setattr(cal, "time", clock)
+    per_call = cal._timed(clock.call, repeats=5, budget_s=0.3)
+    assert per_call == pytest.approx(0.1)
+    # the window is WINDOW_CALLS warm-up calls long (3 s), not the 0.3 s budget: 30 calls
+    assert clock.calls - 1 == pytest.approx(cal.WINDOW_CALLS * 0.5 / 0.1, abs=1)

@@ -18,6 +18,10 @@ Everything is measured the way the run computes, in the run's dtype (bf16 on CUD
   block (and at 1 KiB: the latency), and an all-reduce. Without one the link figures stay the
   GPU table's.
 
+Timing (:func:`_timed`): on a CPU the mean time per call over a window in which every rank of the
+process group runs the same measurement at once, as the run's ranks compute at once (sharing the
+cores' caches and memory bandwidth, and the cores with any other process); on CUDA the median.
+
 The measured square-GEMM rate becomes the peak (MFU is relative to it); the other rates become
 efficiencies against it, the overheads :class:`~gemcore.planner.cluster.GpuKind` fields.
 """
@@ -37,21 +41,59 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _group_size() -> int:
+    """Ranks of the initialized process group (1 without one)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+#: a CPU window lasts at least this many calls of the slowest rank's first (warm-up) call, so the
+#: rank that overruns the window (by at most one call) computes alone for a small part of it
+WINDOW_CALLS = 6
+
+
 def _timed(fn, repeats: int = 5, budget_s: float = 0.3) -> float:
-    """Median seconds of ``fn()`` after one warm-up call; at least ``repeats`` calls, more (up to 100)
-    while they fit in ``budget_s`` (small, noisy measurements get more samples)."""
+    """Seconds per call of ``fn()`` after one warm-up call.
+
+    CUDA: the median of at least ``repeats`` calls, more (up to 100) while they fit in ``budget_s``
+    (a device of its own per rank; the median drops host jitter, which asynchronous launches hide).
+
+    CPU: the mean over a window. A CPU step is every op's time, the ones that lost their core to
+    another thread included, so the rate that predicts it is total time / calls, not the median
+    (which keeps the calls that ran undisturbed). Under a process group every rank starts the window
+    together (a barrier) and the window has one agreed length, ``max(budget_s, WINDOW_CALLS x the
+    slowest rank's warm-up call)``: the local ranks compute at once, as in the run, sharing the cores'
+    caches and memory bandwidth (and the cores themselves with any other process). Each rank calls
+    ``fn`` until the window has passed and it has made ``repeats`` calls.
+    ``budget_s == 0``: exactly ``repeats`` calls on every rank (collectives: the same call count).
+    """
     t0 = time.perf_counter()
     fn()
     _sync()
     first = time.perf_counter() - t0
-    repeats = max(repeats, min(100, int(budget_s / max(first, 1e-6))))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+    if torch.cuda.is_available():
+        repeats = max(repeats, min(100, int(budget_s / max(first, 1e-6)))) if budget_s else repeats
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            _sync()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+    window = max(budget_s, WINDOW_CALLS * first) if budget_s else 0.0
+    if _group_size() > 1:
+        import torch.distributed as dist
+
+        agreed = torch.tensor([window], dtype=torch.float64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)     # also the barrier that starts the window
+        window = float(agreed)
+    calls = 0
+    t0 = time.perf_counter()
+    while calls < repeats or (window and time.perf_counter() - t0 < window):
         fn()
-        _sync()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+        calls += 1
+    return (time.perf_counter() - t0) / calls
 
 
 def _device_dtype(dtype: torch.dtype | None) -> tuple[str, torch.dtype]:
