@@ -61,7 +61,9 @@ def pinned_configs(**configs: TileConfig):
         _pinned.update(old)
 
 
-def _config(kernel: str, head_dim: int, dtype: torch.dtype) -> TileConfig:
+def _config(kernel: str, head_dim: int, dtype: torch.dtype, max_rows: int) -> TileConfig:
+    """The tile of ``kernel`` for this head dim and dtype, its query tile fitted to ``max_rows``
+    (the longest query run)."""
     if kernel in _pinned:
         return _pinned[kernel]
     bucket = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
@@ -69,7 +71,16 @@ def _config(kernel: str, head_dim: int, dtype: torch.dtype) -> TileConfig:
     if dtype == torch.float32:  # fp32 tiles take twice the shared memory
         cfg = TileConfig(max(16, cfg.block_m // 2), max(16, cfg.block_n // 2), cfg.num_warps,
                          min(cfg.num_stages, 2))
-    return cfg
+    return _fit_rows(cfg, max_rows)
+
+
+def _fit_rows(cfg: TileConfig, max_rows: int) -> TileConfig:
+    """``cfg`` with its query tile cut down to the longest query run (pooled attention with a
+    few queries, short sequences): no 128-row tiles for 16 rows. Pinned configs are kept."""
+    block_m = max(16, min(cfg.block_m, triton.next_power_of_2(max(1, max_rows))))
+    if block_m == cfg.block_m:
+        return cfg
+    return TileConfig(block_m, cfg.block_n, min(cfg.num_warps, 4), cfg.num_stages)
 
 
 def _block_d(d: int) -> int:
@@ -118,7 +129,7 @@ def _fwd(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, n
     out = q.new_empty(rows, H, v.shape[2])
     lse2 = torch.empty(rows if activation == "softmax" else 0, H, device=q.device,
                        dtype=torch.float32)
-    cfg = _config("fwd", max(q.shape[2], v.shape[2]), q.dtype)
+    cfg = _config("fwd", max(q.shape[2], v.shape[2]), q.dtype, max_q)
     n_m_tiles = triton.cdiv(max_q, cfg.block_m)
     if B * H > 0 and n_m_tiles > 0:
         _jagged_attn_fwd[(B * H, n_m_tiles)](
@@ -145,7 +156,7 @@ def _bwd(do, q, k, v, out, lse2, offsets, kv_offsets, num_targets, activation, c
                           dtype=torch.float32 if offsets is None else q.dtype)
     dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
-    cfg = _config("dq", max(q.shape[2], v.shape[2]), q.dtype)
+    cfg = _config("dq", max(q.shape[2], v.shape[2]), q.dtype, max_q)
     n_m_tiles = triton.cdiv(max_q, cfg.block_m)
     if B * H > 0 and n_m_tiles > 0:
         _jagged_attn_bwd_dq[(B * H, n_m_tiles)](
@@ -156,7 +167,7 @@ def _bwd(do, q, k, v, out, lse2, offsets, kv_offsets, num_targets, activation, c
             H, nq_pooled, n_m_tiles, scale, inv_norm, window_left, window_right,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **flags)
-    cfg = _config("dkdv", max(q.shape[2], v.shape[2]), q.dtype)
+    cfg = _config("dkdv", max(q.shape[2], v.shape[2]), q.dtype, max_q)
     n_n_tiles = triton.cdiv(max_seqlen, cfg.block_n)
     if B * H > 0 and n_n_tiles > 0:
         _jagged_attn_bwd_dkdv[(B * H, n_n_tiles)](

@@ -154,6 +154,18 @@ def test_bf16_real_sizes(activation):
     check_parity(lengths, activation=activation, causal=True, H=4, D=64, Dv=64, dtype=torch.float32)
     check_parity(lengths, kv_lengths=[256] * len(lengths), activation=activation, H=4, D=128,
                  Dv=128, dtype=torch.bfloat16)
+    for nq in (16, 100):  # pooled: query tiles fitted to Nq
+        check_parity([1], kv_lengths=lengths, pma=nq, activation=activation, H=4, D=128, Dv=128,
+                     dtype=torch.bfloat16)
+
+
+def test_query_tile_fits_the_longest_query_run():
+    from gemcore.kernels.jagged_attention_triton import _fit_rows
+
+    cfg = TileConfig(128, 64, 8, 3)
+    assert _fit_rows(cfg, 16) == TileConfig(16, 64, 4, 3)
+    assert _fit_rows(cfg, 100) == _fit_rows(cfg, 128) == _fit_rows(cfg, 5000) == cfg
+    assert _fit_rows(cfg, 33).block_m == 64 and _fit_rows(cfg, 0).block_m == 16
 
 
 def test_fast_activation_only_for_16_bit_cuda_inputs():
