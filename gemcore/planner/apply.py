@@ -12,7 +12,8 @@ expert: gate_up column-wise, down row-wise; attention projections too when the b
 ``head_dim``, otherwise attention stays replicated), ep (expert_parallel.py: experts spread over
 the innermost ep ranks of dp_shard x cp, tokens moved by all-to-all), cp (context_parallel.py: each
 cp rank runs the blocks on a cost-balanced contiguous share of the batch's rows; the cp ranks join
-the FSDP mesh as ``dp_shard_cp``), ac (``checkpoint_wrapper`` per block).
+the FSDP mesh as ``dp_shard_cp``), ac (``checkpoint_wrapper`` per block: full recompute, or
+selective checkpointing that keeps matmul and attention outputs, :func:`apply_ac`).
 pp (pipeline_parallel.py: the blocks cut into pp x virtual_stages stages run by a
 torch.distributed.pipelining schedule, each stage FSDP2-sharded over dp_shard (x cp) / HSDP); with pp
 the order is ``build_mesh`` -> ``apply_tp``, ``apply_ep``, ``apply_cp`` and ``apply_ac`` (on the
@@ -144,18 +145,58 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
     return model
 
 
+#: ops whose outputs ``ac=selective`` keeps (schema names, any overload): the matmuls (nn.Linear
+#: dispatches mm / addmm, einsum and batched matmul bmm / baddbmm), fused attention (gemcore's
+#: Triton op on GPU, PyTorch's SDPA kernels) and functional collectives (TP's DTensor
+#: redistributions), so that the backward repeats neither a GEMM, attention nor a collective
+SELECTIVE_AC_SAVE = frozenset({
+    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm",
+    "gemcore::jagged_attention_fwd",
+    "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_cudnn_attention",
+    "_c10d_functional::all_reduce", "_c10d_functional::all_gather_into_tensor",
+    "_c10d_functional::reduce_scatter_tensor", "_c10d_functional::all_to_all_single",
+})
+
+
+def selective_ac_policy(ctx, op, *args, **kwargs):
+    """Selective checkpointing policy: MUST_SAVE the outputs of :data:`SELECTIVE_AC_SAVE` ops,
+    PREFER_RECOMPUTE everything else (norms, SiLU, products, adds, casts, copies, softmax)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    schema = getattr(op, "_schema", None)
+    if schema is not None and schema.name in SELECTIVE_AC_SAVE:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def apply_ac(model: nn.Module, mode: str) -> nn.Module:
-    """Activation checkpointing: ``full`` recomputes each block in the backward pass; ``selective``
-    recomputes every other block (the memory the planner's selective mode saves, approximately)."""
+    """Activation checkpointing of every block, as the planner costs it (cost.activation_elements).
+
+    ``full``: each block keeps only its input and reruns its whole forward in the backward.
+    ``selective``: PyTorch's selective activation checkpointing (``torch.utils.checkpoint`` with
+    ``create_selective_checkpoint_contexts``) on each block: the outputs of the matmuls, of the
+    attention op and of functional collectives are kept (:func:`selective_ac_policy`), the
+    elementwise work between them (RMSNorm, SiLU·mul, residual adds, MoE routing and gathers; on
+    CPU the reference attention's masked softmax between its two saved bmm) is recomputed.
+    Collectives issued as c10d calls (cp's K/V all-gather, ep's all-to-all) are recomputed too.
+    ``none``: nothing.
+    """
     if mode == "none":
         return model
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    if mode not in ("full", "selective"):
+        raise ValueError(f"ac must be none, selective or full, got {mode!r}")
+    import functools
 
-    every = 1 if mode == "full" else 2
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    extra = ({"context_fn": functools.partial(create_selective_checkpoint_contexts, selective_ac_policy)}
+             if mode == "selective" else {})
     for i, block in enumerate(model.blocks):
-        if i % every == 0:
-            model.blocks[i] = checkpoint_wrapper(block, preserve_rng_state=True)
-    log.info("activation checkpointing %s on every %s block", mode, "" if every == 1 else "second")
+        model.blocks[i] = checkpoint_wrapper(block, preserve_rng_state=True, **extra)
+    log.info("activation checkpointing %s on every block%s", mode,
+             " (matmul, attention and collective outputs kept)" if mode == "selective" else "")
     return model
 
 

@@ -96,28 +96,41 @@ class Estimate:
 
 # ---------------------------------------------------------------------- per-token counts
 @lru_cache(maxsize=256)
-def activation_elements(model: ModelSpec, ac: str, moe: bool) -> float:
-    """Elements autograd keeps per token for one layer (before dividing by tp).
+def activation_elements(model: ModelSpec, ac: str, moe: bool, eager: bool = False) -> float:
+    """Elements kept per token for one layer between its forward and backward (before dividing by
+    tp), as gemcore's blocks run under ``apply_ac`` (checked against GemModel in
+    tests/test_activation_checkpointing.py).
 
-    none: attention — norm input h, qkv input h, q/k/v (hq·dqk + kv), attention output hq·dv;
-    MLP — norm input h, gate_up input h, gate and up 2F, down input F (experts: each of the
-    top-k copies keeps its input h and 3F_e, shared experts 3F_e). selective: the norm outputs
-    (2h) and the down input are recomputed. full: only the layer input h.
+    none: attention — norm input h, qkv input h, q/k/v (hq·dqk + kv), attention output hq·dv
+    (flash attention: its per-row log-sum-exp, hq fp32, is not counted); MLP — norm input h,
+    gate_up input h, gate and up 2F, down input F, and with ``eager`` kernels the SiLU output F
+    the product keeps (a fused SwiGLU recomputes it). Experts: the router's probabilities E, and
+    each of the top-k copies its gathered input h, 3F (+F eager), its output h (kept for the
+    routing-weight product) and the weighted output h (kept by the scatter-add); shared experts
+    3F (+F eager).
+    selective (PyTorch selective checkpointing, outputs of matmuls and of the attention op kept,
+    everything else recomputed): the layer input h, q/k/v, attention output, out-projection output
+    h, and per MLP (each expert copy, each shared expert) gate_up output 2F and down output h; the
+    router's logits E.
+    full: only the layer input h.
     """
     h = model.hidden
-    attn = 2 * h + model.num_heads * model.qk_head_dim + model.kv_dim + model.num_heads * model.value_head_dim
-    if moe:
-        fe = model.expert_ffn
-        mlp = 2 * h + model.top_k * (h + 3 * fe) + model.shared_experts * 3 * fe
-        down_inputs = (model.top_k + model.shared_experts) * fe
-    else:
-        mlp = 2 * h + 3 * model.ffn
-        down_inputs = model.ffn
+    qkv_out = model.num_heads * model.qk_head_dim + model.kv_dim + model.num_heads * model.value_head_dim
     if ac == "full":
         return h
+    if moe:
+        fe, routed, mlps = model.expert_ffn, model.top_k, model.top_k + model.shared_experts
+    else:
+        fe, routed, mlps = model.ffn, 0, 1
+    router = model.num_experts if moe else 0
     if ac == "selective":
-        return attn + mlp - 2 * h - down_inputs
-    return attn + mlp
+        return 2 * h + qkv_out + router + mlps * (2 * fe + h)
+    swiglu = (4 if eager else 3) * fe
+    if moe:
+        mlp = 2 * h + router + routed * (3 * h + swiglu) + model.shared_experts * swiglu
+    else:
+        mlp = 2 * h + swiglu
+    return 2 * h + qkv_out + mlp
 
 
 @lru_cache(maxsize=256)
@@ -281,11 +294,12 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
         memory["gradients"] += FP32 * h * B * mean_len / cluster.gpus
 
     tokens_mb = plan.mbs * mean_len / cp          # tokens of one micro-batch on one GPU
-    act_token = ((1 - moe_frac) * activation_elements(model, plan.ac, False)
-                 + moe_frac * activation_elements(model, plan.ac, True))
+    eager = cluster.kernels == "eager"
+    act_token = ((1 - moe_frac) * activation_elements(model, plan.ac, False, eager)
+                 + moe_frac * activation_elements(model, plan.ac, True, eager))
     per_layer_mb = act_b * act_token * tokens_mb / tp
     if plan.ac == "full":                         # the layer being recomputed holds everything
-        recompute_layer = act_b * tokens_mb / tp * activation_elements(model, "none", model.is_moe)
+        recompute_layer = act_b * tokens_mb / tp * activation_elements(model, "none", model.is_moe, eager)
     else:
         recompute_layer = 0.0
     in_flight = 1.0
@@ -304,20 +318,19 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
     gemm_flops = 6.0 * (active_stage + head) * tokens_mb / tp
     attn_flops = (3.0 * model.num_heads * (model.qk_head_dim + model.value_head_dim) * stage_layers
                   * plan.mbs * mean_sq / (tp * cp))
-    eager = cluster.kernels == "eager"
     if eager:                                     # byte counts are bf16's; fp32 moves twice as much
         ew_fwd = dtype_scale * ((1 - moe_frac) * eager_elementwise_bytes(model, False)
                   + moe_frac * eager_elementwise_bytes(model, True))
-        norm_silu = dtype_scale * (2 * EAGER_NORM_BYTES * h + EAGER_SWIGLU_BYTES * model.ffn)
+        last_add = dtype_scale * ADD_BYTES * h
     else:
         ew_fwd = act_b * ((1 - moe_frac) * elementwise_elements(model, False)
                          + moe_frac * elementwise_elements(model, True))
-        norm_silu = act_b * (4 * h + 3 * model.ffn)
+        last_add = act_b * 3 * h
     layer_tokens = stage_layers * tokens_mb / tp
     ew_bytes = 3 * ew_fwd * layer_tokens          # forward + backward (2x forward)
     recompute = {"none": 0.0, "selective": 0.0, "full": 1.0 / 3.0}[plan.ac]
-    if plan.ac == "selective":                    # norms and SiLU·mul run again
-        ew_bytes += norm_silu * layer_tokens
+    if plan.ac == "selective":                    # the elementwise forward up to the down projection
+        ew_bytes += (ew_fwd - last_add) * layer_tokens   # runs again (norms, RoPE, SiLU·mul, routing)
     if plan.ac == "full":
         ew_bytes += ew_fwd * layer_tokens
     if llm:                                       # the loss (last stage; modelled with the rest)
