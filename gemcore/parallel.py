@@ -10,7 +10,8 @@ class Parallelism:
 
     ``rank`` / ``world_size``: this process's place among the data-parallel readers (the sampler
     shards by them). ``apply(model, device)`` returns the model ready to train. ``describe()`` is a
-    one-line summary for logs; ``close()`` releases its process groups at the end of the run. The built-in ``single`` is one process with no parallelism.
+    one-line summary for logs; ``close()`` releases its process groups at the end of the run.
+    The built-in ``single`` is one process with no parallelism.
     """
 
     name = "single"

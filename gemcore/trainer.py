@@ -276,7 +276,6 @@ class Trainer:
             grad_norm = grad_norm.full_tensor()
         return loss.detach(), None if grad_norm is None else grad_norm.detach()
 
-    @torch.no_grad()
     def close(self) -> None:
         """End of the run: the parallelism's process groups, then the communicator, released."""
         close = getattr(self.parts.parallelism, "close", None)  # third-party ones may lack it
@@ -287,6 +286,7 @@ class Trainer:
 
             comms.finalize()
 
+    @torch.no_grad()
     def evaluate(self, max_users: int) -> float:
         """Held-out AUC over up to ``max_users`` users."""
         self.model.eval()

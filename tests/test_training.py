@@ -230,17 +230,22 @@ def test_resume_is_bit_exact_with_the_default_random_sampler(tmp_path):
 
 def test_the_run_closes_its_parallelism_at_the_end(tmp_path):
     """run_training calls the parallelism's close() once, after the summary (the built-in planned
-    one tears its process group down there)."""
+    one tears its process group down there); the evaluation before it runs without autograd."""
     from gemcore.config import load_config
     from gemcore.hookspecs import hookimpl
     from gemcore.parallel import Parallelism
     from gemcore.plugin_manager import create_plugin_manager
     from gemcore.trainer import run_training
 
-    closed = []
+    closed, eval_grad_modes = [], []
 
     class Recording(Parallelism):
         name = "recording"
+
+        def apply(self, model, device):
+            model.register_forward_hook(
+                lambda m, args, out: None if m.training else eval_grad_modes.append(torch.is_grad_enabled()))
+            return model.to(device)
 
         def close(self):
             closed.append(True)
@@ -257,3 +262,4 @@ def test_the_run_closes_its_parallelism_at_the_end(tmp_path):
                                 "parallelism.impl='recording'", f"run.out_dir='{tmp_path}'"])
     summary, _ = run_training(config, manager)
     assert summary["steps"] == 1 and closed == [True]
+    assert eval_grad_modes and not any(eval_grad_modes)   # the held-out evaluation builds no graph

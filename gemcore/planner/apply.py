@@ -284,17 +284,24 @@ def apply_plan(model: nn.Module, plan: Plan, device: torch.device, mesh=None, *,
     mesh = mesh if mesh is not None else build_mesh(plan, device.type)
     if plan.pp > 1:
         return _apply_pp(model, plan, device, mesh, attention)
-    model = model.to(device)
-    model = apply_tp(model, mesh[MeshAxis.TP.value])
+    model, ignored = _apply_blocks(model, plan, device, mesh, attention)
+    if plan.dp * plan.cp > 1:
+        model = apply_fsdp(model, fsdp_mesh(mesh, plan), reshard_after_forward=plan.reshard_after_forward,
+                           ignored_params=ignored)
+    return model
+
+
+def _apply_blocks(model: nn.Module, plan: Plan, device: torch.device, mesh, attention: dict | None):
+    """(model, parameters to keep out of the blocks' FSDP2): the per-block layers of a plan on the
+    whole model, with or without pp: tensor parallelism, experts (split over ep, FSDP2-sharded over
+    the rest of the data-parallel ranks), context parallelism and activation checkpointing."""
+    model = apply_tp(model.to(device), mesh[MeshAxis.TP.value])
     model, ignored, expert_mesh = _apply_ep(model, plan, mesh, device.type)
     model = _apply_cp(model, plan, mesh, attention)
     model = apply_ac(model, plan.ac)
     if expert_mesh is not None:
         shard_experts(model, expert_mesh, plan.dp * plan.cp, plan.reshard_after_forward)
-    if plan.dp * plan.cp > 1:
-        model = apply_fsdp(model, fsdp_mesh(mesh, plan), reshard_after_forward=plan.reshard_after_forward,
-                           ignored_params=ignored)
-    return model
+    return model, ignored
 
 
 def _apply_ep(model: nn.Module, plan: Plan, mesh, device_type: str):
@@ -379,13 +386,8 @@ def _apply_pp(model: nn.Module, plan: Plan, device: torch.device, mesh, attentio
     (a stage's cp peers run the same schedule, so their collectives pair up)."""
     from gemcore.planner.pipeline_parallel import apply_pipeline
 
-    model = apply_tp(model.to(device), mesh[MeshAxis.TP.value])
-    # experts as without pp; each stage's MoE layers exchange over their ep group
-    model, ignored, expert_mesh = _apply_ep(model, plan, mesh, device.type)
-    model = _apply_cp(model, plan, mesh, attention)
-    model = apply_ac(model, plan.ac)
-    if expert_mesh is not None:
-        shard_experts(model, expert_mesh, plan.dp * plan.cp, plan.reshard_after_forward)
+    # as without pp; each stage's MoE layers exchange over their ep group
+    model, ignored = _apply_blocks(model, plan, device, mesh, attention)
     dp_mesh = fsdp_mesh(mesh, plan) if plan.dp * plan.cp > 1 else None
     pipelined = apply_pipeline(model, pp_mesh=mesh[MeshAxis.PP.value], fsdp_mesh=dp_mesh, schedule=plan.schedule,
                                virtual_stages=plan.virtual_stages, mbs=plan.mbs, device=device,
