@@ -69,6 +69,36 @@ def test_bad_input_exits_2_naming_the_argument(capsys, argv, word):
     assert word in capsys.readouterr().err
 
 
+def test_bad_sac_policy_and_kernel_stack_exit_2(capsys, tmp_path):
+    base = ["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "8"]
+    assert main([*base, "--degrees", "dp_shard=8,ac=selective,sac=odd_mm"]) == 2
+    assert "sac must be one of all_mm, every_other_mm" in capsys.readouterr().err
+    assert main(["plan", "--model", "deepseek-v3", "--gpus", "8", "--global-batch", "8",
+                 "--degrees", "dp_shard=8,ep=8,ac=selective,sac=every_other_mm"]) == 2
+    assert "sac=every_other_mm is modelled for dense" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main([*base, "--kernels", "compiled"])
+    assert exc.value.code == 2 and "--kernels" in capsys.readouterr().err
+    f = tmp_path / "c.toml"
+    f.write_text('[cluster]\ngpu = "h100"\ngpus = 8\nkernels = "compile"\n')
+    assert main(["plan", "--model", "llama3-8b", "--cluster", str(f), "--global-batch", "8",
+                 "--degrees", "dp_shard=8"]) == 2
+    assert "--kernels must be one of fused, eager, compiled-blocks" in capsys.readouterr().err
+
+
+def test_torchtitan_policy_and_compiled_blocks(capsys):
+    argv = ["--model", "llama3-8b", "--gpus", "8", "--seq-len", "8192", "--global-batch", "8",
+            "--degrees", "dp_shard=8,ac=selective"]
+    _, gemcore = run_json(capsys, *argv, "--kernels", "fused")
+    _, titan = run_json(capsys, *argv[:-1], argv[-1] + ",sac=every_other_mm", "--kernels", "compiled-blocks")
+    a, b = gemcore["plans"][0], titan["plans"][0]
+    assert (a["sac"], b["sac"]) == ("all_mm", "every_other_mm")
+    assert b["memory_breakdown_gb"]["activations"] < a["memory_breakdown_gb"]["activations"]
+    assert b["tokens_per_s_per_gpu"] < a["tokens_per_s_per_gpu"]
+    assert main(["plan", *argv[:-1], argv[-1] + ",sac=every_other_mm"]) == 0
+    assert "selective (sac=every_other_mm)" in capsys.readouterr().out
+
+
 def test_text_output_and_model_file(capsys, tmp_path):
     f = tmp_path / "gem.toml"
     f.write_text('[model]\nbase = "gem-small"\nnum_layers = 4\n')

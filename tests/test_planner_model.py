@@ -132,6 +132,80 @@ def test_eager_kernels_and_power_cap_match_hand_count():
     assert est.mfu == pytest.approx(est.model_flops_per_step / (est.step_time_s * 1e12))  # datasheet peak
 
 
+#: grouped-query attention (K < H) so the recomputed wk's width is the kv heads' K·d = 2·2
+TINY_GQA = ModelSpec("tiny-gqa", num_layers=2, hidden=8, num_heads=4, num_kv_heads=2, ffn=16, vocab_size=10,
+                     seq_len=4)
+UNIT = GpuKind("unit", hbm_gb=1, peak_bf16_tflops=1, hbm_gbps=1, intra_node_gbps=1, inter_node_gbps=1,
+               gemm_efficiency=0.5, attention_efficiency=0.25, memory_efficiency=1.0)
+
+
+def test_torchtitan_sac_policy_matches_hand_count():
+    from gemcore.planner.cost import sac_recomputed_matmuls
+
+    # forward order wq (8→8), wk (8→4), wv (8→4), wo (8→8), w1 (8→16), w3 (8→16), w2 (16→8): the
+    # even-numbered wk, wo, w3 are recomputed — 32 + 64 + 128 = 224 weights, outputs 4 + 8 + 16 = 28
+    assert sac_recomputed_matmuls(TINY_GQA, "every_other_mm") == (("wk", 8, 4), ("wo", 8, 8), ("w3", 8, 16))
+    assert sac_recomputed_matmuls(TINY_GQA, "all_mm") == ()
+    cluster = Cluster(UNIT, 1, 1)
+    gemcore = estimate(TINY_GQA, cluster, Plan(ac="selective"), seq_len=4, global_batch=1)
+    assert gemcore.plan.sac == "all_mm"                            # the default is gemcore's policy
+    titan = estimate(TINY_GQA, cluster, Plan(ac="selective", sac="every_other_mm"), seq_len=4, global_batch=1)
+    # selective keeps per token and layer: input h + out-proj h + q 8 + k,v 2·4 + attention out 8
+    # + gate_up 2F + down h = 80 elements; the policy drops 28 of them. x 2 B x 4 tokens x 2 layers
+    # (+ logits 8 B x 4 tokens x 10 vocab = 320)
+    assert gemcore.memory["activations"] == 80 * 2 * 4 * 2 + 320
+    assert titan.memory["activations"] == (80 - 28) * 2 * 4 * 2 + 320
+    # the backward runs their forward again: 2 x 224 FLOPs per token and layer, 4 tokens, 2 layers, at
+    # the GEMM rate of the thinnest side (4 tokens: 4 / 68); elementwise recompute is the same
+    t_recompute = 2 * 224 * 4 * 2 / (1e12 * 0.5 * (4 / 68))
+    assert titan.compute_s - gemcore.compute_s == pytest.approx(t_recompute, rel=1e-9)
+    assert titan.model_flops_per_step == gemcore.model_flops_per_step
+    assert titan.to_dict()["sac"] == "every_other_mm"
+
+
+def test_torchtitan_sac_policy_on_llama3_8b():
+    from gemcore.planner.cost import sac_recomputed_matmuls
+
+    model = PRESETS["llama3-8b"]
+    # wk 4096·1024 + wo 4096·4096 + w3 4096·14336 = 79.7M of the block's 218.1M matmul weights:
+    # one more forward of them is 2·79.7 / (6·218.1) = +12.2 % of the blocks' GEMM FLOPs
+    recomputed = sum(i * o for _, i, o in sac_recomputed_matmuls(model, "every_other_mm"))
+    block = sum(i * o for _, i, o in model.block_matmuls())
+    assert recomputed == 4096 * (1024 + 4096 + 14336) and block == 218_103_808
+    assert 2 * recomputed / (6 * block) == pytest.approx(0.1218, abs=1e-4)
+
+
+def test_compiled_blocks_stack_is_fused_blocks_with_eager_loss_and_optimizer():
+    fused = estimate(TINY, Cluster(UNIT, 1, 1, kernels="fused"), Plan(), seq_len=4, global_batch=1)
+    eager = estimate(TINY, Cluster(UNIT, 1, 1, kernels="eager"), Plan(), seq_len=4, global_batch=1)
+    blocks = estimate(TINY, Cluster(UNIT, 1, 1, kernels="compiled-blocks"), Plan(), seq_len=4, global_batch=1)
+    # cross-entropy over 4 tokens x 10 logits: 40 B eager instead of 6 fused; AdamW over 1472 local
+    # weights: foreach 96 B instead of fused 32 B; the blocks' bytes are the fused ones
+    extra = ((40 - 6) * 4 * 10 + (96 - 32) * 1472) / 1e9
+    assert blocks.compute_s - fused.compute_s == pytest.approx(extra, rel=1e-9)
+    assert fused.compute_s < blocks.compute_s < eager.compute_s
+    assert blocks.memory == fused.memory                            # activations kept as fused blocks keep them
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"ac": "selective", "sac": "odd_mm"}, "sac must be one of all_mm, every_other_mm"),
+    ({"ac": "full", "sac": "every_other_mm"}, "sac=every_other_mm is a policy of ac=selective"),
+])
+def test_bad_sac_policy_names_the_option(kwargs, words):
+    with pytest.raises(PlanError, match=words):
+        Plan(**kwargs)
+    with pytest.raises(ValueError, match="--degrees: sac"):
+        Plan.parse(",".join(f"{k}={v}" for k, v in kwargs.items()))
+
+
+def test_torchtitan_sac_policy_is_a_rule_for_dense_llms_only():
+    plan = Plan(dp_shard=8, ac="selective", sac="every_other_mm")
+    assert plan.violations(PRESETS["llama3-8b"], 8, 8) == []
+    (problem,) = plan.violations(PRESETS["deepseek-v3"], 8, 8)
+    assert "sac=every_other_mm is modelled for dense" in problem and "has experts" in problem
+    assert "gem model" in plan.violations(PRESETS["gem-small"], 8, 8)[0]
+
+
 def test_collective_uses_the_tier_bandwidth():
     cluster = make_cluster("h100", 16)
     plan = Plan(dp_shard=16)

@@ -2,7 +2,8 @@
 
     gem plan --model PRESET|FILE.toml --gpus N --gpus-per-node G --gpu h100|h200|b200|a100
              [--seq-len S] [--global-batch SEQUENCES] [--top K] [--json]
-             [--degrees dp_shard=32,tp=8,...] [--cluster FILE.toml] [--kernels fused|eager] [--calibrate]
+             [--degrees dp_shard=32,tp=8,...] [--cluster FILE.toml]
+             [--kernels fused|eager|compiled-blocks] [--calibrate]
 
 Exit codes: 0 a plan was found (or the given layout is feasible); 2 bad input or nothing fits
 (the explanation names every broken rule).
@@ -28,15 +29,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", choices=sorted(GPUS), help="GPU kind (default h100, or the cluster file's)")
     p.add_argument("--cluster", metavar="FILE.toml", help="cluster file: GPU overrides, network tiers")
     p.add_argument("--kernels", choices=KERNEL_STACKS,
-                   help="how non-matmul work runs: fused (torch.compile / fused kernels, the default) or "
-                        "eager (one PyTorch kernel per op); the cost model counts their memory traffic")
+                   help="how non-matmul work runs: fused (torch.compile / fused kernels, the default), "
+                        "eager (one PyTorch kernel per op) or compiled-blocks (torch.compile on the "
+                        "transformer blocks only, loss and optimizer eager, as TorchTitan compiles); the "
+                        "cost model counts their memory traffic")
     p.add_argument("--seq-len", type=int, metavar="S", help="sequence length (GEM: longest history)")
     p.add_argument("--global-batch", type=int, metavar="SEQUENCES",
                    help="sequences (users) per optimizer step (default: the preset's per-GPU batch x GPUs)")
     p.add_argument("--top", type=int, default=5, metavar="K", help="plans to show (default 5)")
     p.add_argument("--degrees", metavar="dp_shard=..,tp=..",
                    help="evaluate this layout instead of searching (keys: dp_replicate, dp_shard, tp, cp, "
-                        "ep, pp, mbs, ac=none|selective|full, schedule=1F1B|interleaved, v, reshard)")
+                        "ep, pp, mbs, ac=none|selective|full, sac=all_mm|every_other_mm (ac=selective "
+                        "keeps every matmul output, gemcore's default, or recomputes every second one, "
+                        "TorchTitan's op policy), schedule=1F1B|interleaved, v, reshard)")
     p.add_argument("--calibrate", action="store_true",
                    help="measure GEMM, attention, memory and (under torchrun) collective rates on this "
                         "machine and plan with them")
@@ -184,7 +189,8 @@ def _print_plans(out: dict, plans, stream=None) -> None:
                     f"{mem['optimizer']:.1f}/{mem['activations']:.1f})")
         comm = sum(est.comm_exposed_s.values())
         time_text = f"{est.step_time_s:.3g} ({est.compute_s:.3g}+{comm:.2g}+{est.bubble_s:.2g})"
-        w(f"{i:>2} {_degrees_text(p):<44} {p.mbs:>4} {p.ac:<9} {sched:<14} {mem_text:<26} {time_text:<26} "
+        ac_text = p.ac if p.sac == "all_mm" else f"{p.ac} (sac={p.sac})"
+        w(f"{i:>2} {_degrees_text(p):<44} {p.mbs:>4} {ac_text:<9} {sched:<14} {mem_text:<26} {time_text:<26} "
           f"{est.tokens_per_s_per_gpu:>10.1f} {est.mfu:>6.1%}  {','.join(est.intra_node) or '-'}\n")
     for line in out.get("why", []):
         w(f"  {line}\n")

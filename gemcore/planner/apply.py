@@ -43,6 +43,9 @@ def check_supported(plan: Plan, num_blocks: int | None = None) -> list[str]:
     """What in ``plan`` this module cannot apply yet (empty: all of it). ``num_blocks``: the
     model's blocks, when known (pipeline stages hold equal block counts)."""
     missing = []
+    if plan.sac != "all_mm":
+        missing.append(f"sac={plan.sac} (the cost model's TorchTitan policy; apply_ac keeps every matmul "
+                       f"output, sac=all_mm)")
     stages = plan.pp * plan.virtual_stages
     if plan.pp > 1 and num_blocks is not None and num_blocks % stages:
         missing.append(f"pp × virtual_stages = {plan.pp} × {plan.virtual_stages} = {stages} (must divide the "

@@ -11,7 +11,7 @@ network tiers above the node::
     gpus_per_node = 8
     inter_node_gbps = 50          # one 400 Gb/s NIC per GPU
     power_limit_w = 500           # GPUs capped below their TDP (optional)
-    kernels = "eager"             # unfused PyTorch (optional; default "fused")
+    kernels = "eager"             # unfused PyTorch (optional: fused | eager | compiled-blocks)
     [[cluster.tiers]]             # a group inside one pod gets the full NIC rate
     name = "pod"
     gpus = 3072
@@ -29,6 +29,7 @@ import dataclasses
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -114,10 +115,26 @@ class Tier:
     oversubscription: float = 1.0
 
 
-#: how the step's non-matmul work runs: ``fused`` kernels (torch.compile, fused norms/RoPE/SwiGLU,
-#: fused cross-entropy and optimizer) or ``eager`` PyTorch (one kernel per op, fp32 norm upcasts,
-#: foreach AdamW); the cost model counts each one's memory traffic (docs/planner.md)
-KERNEL_STACKS = ("fused", "eager")
+@dataclass(frozen=True)
+class KernelStack:
+    """How each part of the step's non-matmul work runs: ``"fused"`` (torch.compile or fused
+    kernels) or ``"eager"`` (one PyTorch kernel per op); the cost model counts each one's memory
+    traffic (docs/planner.md)."""
+
+    blocks: Literal["fused", "eager"]     #: the transformer blocks: norms, RoPE, SiLU·mul, residual adds, routing
+    loss: Literal["fused", "eager"]       #: the cross-entropy over the vocabulary
+    optimizer: Literal["fused", "eager"]  #: AdamW and the gradient-norm clipping
+
+
+#: ``fused``: everything fused (fused norms/RoPE/SwiGLU, fused cross-entropy and optimizer);
+#: ``eager``: unfused PyTorch everywhere (fp32 norm upcasts, fp32 cross-entropy, foreach AdamW);
+#: ``compiled-blocks``: torch.compile on the transformer blocks only, as TorchTitan compiles — the
+#: loss and the optimizer stay eager
+KERNEL_STACKS: dict[str, KernelStack] = {
+    "fused": KernelStack(blocks="fused", loss="fused", optimizer="fused"),
+    "eager": KernelStack(blocks="eager", loss="eager", optimizer="eager"),
+    "compiled-blocks": KernelStack(blocks="fused", loss="eager", optimizer="eager"),
+}
 
 
 @dataclass(frozen=True)
@@ -126,7 +143,7 @@ class Cluster:
     gpus: int
     gpus_per_node: int
     tiers: tuple[Tier, ...] = field(default_factory=tuple)
-    kernels: str = "fused"       #: one of KERNEL_STACKS
+    kernels: str = "fused"       #: a name in KERNEL_STACKS
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -142,6 +159,10 @@ class Cluster:
             if tier.gpus % self.gpus_per_node or tier.oversubscription < 1:
                 raise ValueError(f"cluster tier {tier.name!r}: gpus ({tier.gpus}) must be a multiple of "
                                  f"gpus_per_node and oversubscription ({tier.oversubscription}) >= 1")
+
+    @property
+    def kernel_stack(self) -> KernelStack:
+        return KERNEL_STACKS[self.kernels]
 
     @property
     def hbm_bytes(self) -> float:
@@ -233,4 +254,4 @@ def load_cluster(path: str | Path, *, gpus: int | None = None, gpus_per_node: in
     return dataclasses.replace(cluster, tiers=tiers)
 
 
-__all__ = ["GpuKind", "GPUS", "KERNEL_STACKS", "Tier", "Cluster", "make_cluster", "load_cluster"]
+__all__ = ["GpuKind", "GPUS", "KERNEL_STACKS", "KernelStack", "Tier", "Cluster", "make_cluster", "load_cluster"]

@@ -74,7 +74,7 @@ class Estimate:
         gb = 1e9
         return {
             **self.plan.degrees(),
-            "mbs": self.plan.mbs, "ac": self.plan.ac, "schedule": self.plan.schedule,
+            "mbs": self.plan.mbs, "ac": self.plan.ac, "sac": self.plan.sac, "schedule": self.plan.schedule,
             "virtual_stages": self.plan.virtual_stages,
             "reshard_after_forward": self.plan.reshard_after_forward,
             "num_microbatches": self.num_microbatches,
@@ -131,6 +131,17 @@ def activation_elements(model: ModelSpec, ac: str, moe: bool, eager: bool = Fals
     else:
         mlp = 2 * h + swiglu
     return 2 * h + qkv_out + mlp
+
+
+def sac_recomputed_matmuls(model: ModelSpec, sac: str) -> tuple[tuple[str, int, int], ...]:
+    """The matmuls of one layer (``ModelSpec.block_matmuls``: name, in, out) whose outputs
+    ``ac=selective`` under policy ``sac`` does not keep: none for ``all_mm``; for ``every_other_mm``
+    (TorchTitan's op-level SAC) the even-numbered ones in forward order — wk, wo, w3. Their outputs
+    leave the saved activations (``out`` elements per token each) and the backward runs them again
+    (2·in·out FLOPs per token each)."""
+    if sac == "all_mm":
+        return ()
+    return tuple(mm for i, mm in enumerate(model.block_matmuls(), 1) if i % 2 == 0)
 
 
 @lru_cache(maxsize=256)
@@ -294,9 +305,12 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
         memory["gradients"] += FP32 * h * B * mean_len / cluster.gpus
 
     tokens_mb = plan.mbs * mean_len / cp          # tokens of one micro-batch on one GPU
-    eager = cluster.kernels == "eager"
+    stack = cluster.kernel_stack
+    eager = stack.blocks == "eager"
+    recomputed_mms = sac_recomputed_matmuls(model, plan.sac)     # empty unless ac=selective (Plan)
     act_token = ((1 - moe_frac) * activation_elements(model, plan.ac, False, eager)
-                 + moe_frac * activation_elements(model, plan.ac, True, eager))
+                 + moe_frac * activation_elements(model, plan.ac, True, eager)
+                 - sum(out for _, _, out in recomputed_mms))
     per_layer_mb = act_b * act_token * tokens_mb / tp
     if plan.ac == "full":                         # the layer being recomputed holds everything
         recompute_layer = act_b * tokens_mb / tp * activation_elements(model, "none", model.is_moe, eager)
@@ -316,6 +330,9 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
     active_stage = (model.active_matmul_params() - model.head_params()) * frac
     head = model.head_params()                    # on the last stage (pp > 1) or with the rest
     gemm_flops = 6.0 * (active_stage + head) * tokens_mb / tp
+    # selective AC's recomputed matmuls run their forward again (dense layers only: Plan's rule)
+    recompute_gemm_flops = (2.0 * sum(i * o for _, i, o in recomputed_mms) * stage_layers
+                            * tokens_mb / tp)
     attn_flops = (3.0 * model.num_heads * (model.qk_head_dim + model.value_head_dim) * stage_layers
                   * plan.mbs * mean_sq / (tp * cp))
     if eager:                                     # byte counts are bf16's; fp32 moves twice as much
@@ -334,12 +351,12 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
     if plan.ac == "full":
         ew_bytes += ew_fwd * layer_tokens
     if llm:                                       # the loss (last stage; modelled with the rest)
-        ew_bytes += dtype_scale * LOSS_BYTES[cluster.kernels] * tokens_mb * model.vocab_size / tp
+        ew_bytes += dtype_scale * LOSS_BYTES[stack.loss] * tokens_mb * model.vocab_size / tp
     shape = _gemm_shape_factor(min(tokens_mb, h, model.num_heads * model.qk_head_dim / tp,
                                    (model.expert_ffn if model.is_moe else model.ffn) / tp))
     peak = cluster.sustained_peak_flops
     hbm = g.hbm_gbps * 1e9 * g.memory_efficiency
-    t_gemm = gemm_flops * (1 + recompute) / (peak * g.gemm_efficiency * shape)
+    t_gemm = (gemm_flops * (1 + recompute) + recompute_gemm_flops) / (peak * g.gemm_efficiency * shape)
     t_attn = attn_flops * ATTENTION_HW_FACTOR * (1 + recompute) / (peak * g.attention_efficiency)
     t_ew = ew_bytes / hbm
     compute_mb = t_gemm + t_attn + t_ew
@@ -405,7 +422,7 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
         send = act_b * h * B * mean_len / cluster.gpus
         embed_exposed = 2 * all_to_all_time(cluster, cluster.gpus, 1, send)
 
-    optimizer_s = OPTIMIZER_BYTES[cluster.kernels] * local / hbm
+    optimizer_s = OPTIMIZER_BYTES[stack.optimizer] * local / hbm
     t_mb = compute_mb + tp_mb + cp_mb + ep_mb + pp_mb
     bubble = (pp - 1) / v * t_mb if pp > 1 else 0.0
     comm = {"tp": n_mb * tp_mb, "cp": n_mb * cp_mb, "ep": n_mb * ep_mb, "pp": n_mb * pp_mb,
@@ -437,6 +454,7 @@ def _gemm_shape_factor(smallest_dim: float) -> float:
     return smallest_dim / (smallest_dim + 64.0)
 
 
-__all__ = ["Estimate", "estimate", "training_state_bytes", "activation_elements", "elementwise_elements",
+__all__ = ["Estimate", "estimate", "training_state_bytes", "activation_elements", "sac_recomputed_matmuls",
+           "elementwise_elements",
            "eager_elementwise_bytes", "ring_time",
            "all_to_all_time", "placement", "MEMORY_HEADROOM"]

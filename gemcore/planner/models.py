@@ -112,6 +112,15 @@ class ModelSpec:
         kv = h * self.num_kv_heads * (self.qk_head_dim + self.value_head_dim)
         return q + kv + H * self.value_head_dim * h
 
+    def block_matmuls(self) -> tuple[tuple[str, int, int], ...]:
+        """(name, in_features, out_features) of a dense grouped-query-attention block's matmuls in
+        the order its forward calls them, as TorchTitan's Llama block does: wq, wk, wv, wo, then the
+        MLP ``w2(silu(w1(x)) * w3(x))`` evaluates w1, w3, w2."""
+        h, H, K, F = self.hidden, self.num_heads, self.num_kv_heads, self.ffn
+        return (("wq", h, H * self.qk_head_dim), ("wk", h, K * self.qk_head_dim),
+                ("wv", h, K * self.value_head_dim), ("wo", H * self.value_head_dim, h),
+                ("w1", h, F), ("w3", h, F), ("w2", F, h))
+
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0

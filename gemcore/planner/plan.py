@@ -32,6 +32,11 @@ MESH_ORDER: tuple[MeshAxis, ...] = (MeshAxis.PP, MeshAxis.DP_REPLICATE, MeshAxis
                                      MeshAxis.TP)
 
 AC_MODES = ("none", "selective", "full")
+#: which matmul outputs ``ac=selective`` keeps: ``all_mm`` every one (gemcore's ``apply_ac``);
+#: ``every_other_mm`` TorchTitan's selective *op* policy, which counts a block's ``aten.mm`` calls in
+#: forward order and recomputes the even-numbered ones (the cost model's block: wq, wk, wv, wo, w1,
+#: w3, w2, so wk, wo and w3 are recomputed)
+SAC_POLICIES = ("all_mm", "every_other_mm")
 SCHEDULES = ("1F1B", "interleaved")
 
 
@@ -52,6 +57,7 @@ class Plan:
     ep: int = 1
     mbs: int = 1                     #: micro-batch, in sequences (users for GEM models)
     ac: Literal["none", "selective", "full"] = "none"
+    sac: Literal["all_mm", "every_other_mm"] = "all_mm"  #: ``ac=selective``'s policy (SAC_POLICIES)
     schedule: Literal["1F1B", "interleaved"] = "1F1B"
     virtual_stages: int = 1          #: model chunks per pipeline rank (interleaved schedule)
     reshard_after_forward: bool = True  #: FSDP: free gathered weights after each forward
@@ -64,6 +70,10 @@ class Plan:
                 raise PlanError(f"{name} must be a positive integer, got {value!r}")
         if self.ac not in AC_MODES:
             raise PlanError(f"ac must be one of {', '.join(AC_MODES)}, got {self.ac!r}")
+        if self.sac not in SAC_POLICIES:
+            raise PlanError(f"sac must be one of {', '.join(SAC_POLICIES)}, got {self.sac!r}")
+        if self.sac != "all_mm" and self.ac != "selective":
+            raise PlanError(f"sac={self.sac} is a policy of ac=selective, but ac={self.ac}")
         if self.schedule not in SCHEDULES:
             raise PlanError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.schedule == "1F1B" and self.virtual_stages != 1:
@@ -142,6 +152,11 @@ class Plan:
             out.append(("pipeline micro-batches",
                         f"pp={self.pp} needs at least {self.pp} micro-batches per step, the batch gives "
                         f"{per_rank} (global batch {global_batch} / (dp {self.dp} × mbs {self.mbs}))"))
+        if self.sac == "every_other_mm" and (model.kind != "llm" or model.is_moe or model.kv_lora_rank):
+            what = ("has experts" if model.is_moe else "uses latent attention" if model.kv_lora_rank
+                    else f"is a {model.kind} model")
+            out.append(("sac policy", f"sac=every_other_mm is modelled for dense grouped-query-attention LLMs "
+                                      f"only (TorchTitan's Llama block); {model.name} {what}"))
         if self.pp == 1 and self.schedule != "1F1B":
             out.append(("schedule", "an interleaved schedule needs pp > 1"))
         return out
@@ -154,7 +169,7 @@ class Plan:
 
     @classmethod
     def parse(cls, text: str, world_size: int | None = None) -> "Plan":
-        """``dp_shard=32,tp=8[,dp_replicate=..,cp=..,ep=..,pp=..,mbs=..,ac=..,schedule=..,v=..]``."""
+        """``dp_shard=32,tp=8[,dp_replicate=..,cp=..,ep=..,pp=..,mbs=..,ac=..,sac=..,schedule=..,v=..]``."""
         kwargs: dict = {}
         aliases = {"v": "virtual_stages", "vpp": "virtual_stages", "reshard": "reshard_after_forward"}
         known = {f.name for f in dataclasses.fields(cls)} - {"world_size"}
@@ -165,7 +180,7 @@ class Plan:
                 raise ValueError(f"--degrees: {item!r} is not KEY=VALUE with KEY in "
                                  f"{', '.join(sorted(known | set(aliases)))}")
             raw = raw.strip()
-            if key in ("ac", "schedule"):
+            if key in ("ac", "sac", "schedule"):
                 kwargs[key] = raw
             elif key == "reshard_after_forward":
                 if raw.lower() not in ("true", "false", "1", "0"):
@@ -184,4 +199,4 @@ class Plan:
             raise PlanError(f"--degrees: {exc}") from None
 
 
-__all__ = ["MeshAxis", "MESH_ORDER", "Plan", "PlanError", "AC_MODES", "SCHEDULES"]
+__all__ = ["MeshAxis", "MESH_ORDER", "Plan", "PlanError", "AC_MODES", "SAC_POLICIES", "SCHEDULES"]
