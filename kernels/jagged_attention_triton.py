@@ -52,10 +52,6 @@ _pinned: dict[str, TileConfig] = {}
 #: row's max grew by more than this many powers of two; 0 rescales at every key tile
 RESCALE_TAU = 8.0
 
-#: backward: True = one fused dK/dV/dQ kernel (5 MMAs per tile pair, dQ added to a float32 buffer
-#: with atomics; pooled attention excepted); False = separate dQ and dK/dV kernels (7 MMAs, no atomics)
-ATOMIC_DQ = False
-
 
 @contextlib.contextmanager
 def pinned_configs(**configs: TileConfig):
@@ -160,17 +156,13 @@ def _bwd(do, q, k, v, out, lse2, offsets, kv_offsets, num_targets, activation, c
         do = do.contiguous()
     # softmax: delta = rowsum(dO * O) is written by the dQ kernel, which therefore runs first
     delta = torch.empty(lse2.shape, device=q.device, dtype=torch.float32)
-    atomic = ATOMIC_DQ and offsets is not None  # pooled attention keeps per-sequence dQ rows
-    if atomic:
-        dq_rows = torch.zeros(do.shape[0], H, q.shape[2], device=q.device, dtype=torch.float32)
-    else:
-        dq_rows = torch.empty(do.shape[0], H, q.shape[2], device=q.device,
-                              dtype=torch.float32 if offsets is None else q.dtype)
+    dq_rows = torch.empty(do.shape[0], H, q.shape[2], device=q.device,
+                          dtype=torch.float32 if offsets is None else q.dtype)
     dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
     cfg = _config("dq", max(q.shape[2], v.shape[2]), q.dtype, max_q)
     n_m_tiles = triton.cdiv(max_q, cfg.block_m)
-    if B * H > 0 and n_m_tiles > 0 and not (atomic and activation != "softmax"):
+    if B * H > 0 and n_m_tiles > 0:
         _jagged_attn_bwd_dq[(B * H, n_m_tiles)](
             q, k, v, out, do, lse2, delta, dq_rows, q_off, kv_off, nt,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -178,7 +170,7 @@ def _bwd(do, q, k, v, out, lse2, offsets, kv_offsets, num_targets, activation, c
             dq_rows.stride(0), dq_rows.stride(1),
             H, nq_pooled, n_m_tiles, scale, inv_norm, window_left, window_right,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, DELTA_ONLY=atomic, **flags)
+            num_stages=cfg.num_stages, **flags)
     cfg = _config("dkdv", max(q.shape[2], v.shape[2]), q.dtype, max_q)
     n_n_tiles = triton.cdiv(max_seqlen, cfg.block_n)
     if B * H > 0 and n_n_tiles > 0:
@@ -186,14 +178,13 @@ def _bwd(do, q, k, v, out, lse2, offsets, kv_offsets, num_targets, activation, c
             q, k, v, do, lse2, delta, dk, dv, q_off, kv_off, nt,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-            dq_rows, dq_rows.stride(0), dq_rows.stride(1),
             H, nq_pooled, scale, inv_norm, window_left, window_right,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, ATOMIC_DQ=atomic, **flags)
+            num_stages=cfg.num_stages, **flags)
     if offsets is None:  # pooled: every sequence's queries are the same rows of q
         dq = dq_rows.view(B, q.shape[0], H, q.shape[2]).sum(0).to(q.dtype)
     else:
-        dq = dq_rows.to(q.dtype)
+        dq = dq_rows
     return dq, dk, dv
 
 

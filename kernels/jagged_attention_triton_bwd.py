@@ -27,11 +27,8 @@ def _dkdv_loop(dk, dv, k, v, q_base, do_base, LSE2, DELTA, offs_n, lo, hi, o_sta
                BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, ACTIVATION: tl.constexpr,
                CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_LEFT: tl.constexpr,
                HAS_RIGHT: tl.constexpr, MASKED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-               FAST_ACT: tl.constexpr, dq_base, stride_dqt, ATOMIC_DQ: tl.constexpr):
-    """Query tiles [lo, hi) seeing one key tile (scores transposed: keys x queries).
-
-    ATOMIC_DQ: also adds this key tile's dQ share, scale * dS K, into the float32 rows at
-    ``dq_base`` with atomics (the fused 5-MMA backward; no dQ kernel)."""
+               FAST_ACT: tl.constexpr):
+    """Query tiles [lo, hi) seeing one key tile (scores transposed: keys x queries)."""
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -67,10 +64,6 @@ def _dkdv_loop(dk, dv, k, v, q_base, do_base, LSE2, DELTA, offs_n, lo, hi, o_sta
                 dst = tl.where(allowed, dst, 0.0)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
         dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
-        if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(dst.to(k.dtype)), k, input_precision=INPUT_PRECISION) * scale
-            tl.atomic_add(dq_base + offs_m[:, None] * stride_dqt + offs_dqk[None, :], dq,
-                          mask=m_ok[:, None] & (offs_dqk[None, :] < D_QK), sem="relaxed")
     return dk, dv
 
 
@@ -78,16 +71,15 @@ def _dkdv_loop(dk, dv, k, v, q_base, do_base, LSE2, DELTA, offs_n, lo, hi, o_sta
 def _jagged_attn_bwd_dkdv(
     Q, K, V, DO, LSE2, DELTA, DK, DV, q_offsets, kv_offsets, num_targets,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dkt, stride_dkh, stride_dvt, stride_dvh, DQ, stride_dqt, stride_dqh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     H, NQ_POOLED, scale, inv_norm, left, right,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACTIVATION: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, POOLED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    FAST_ACT: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    FAST_ACT: tl.constexpr,
 ):
-    """One key tile per program: loops over the query tiles that see it; atomics only with
-    ATOMIC_DQ (then DQ is a zeroed float32 (T, H, Dqk) buffer that receives scale * dS K).
+    """One key tile per program: loops over the query tiles that see it; no atomics.
     Key tiles go in their natural order, first tiles first: under a causal mask the first key
     tiles are seen by the most query tiles, so the heaviest programs are dispatched first and the
     light ones fill the tail (the reversed order of the other two kernels would do the opposite)."""
@@ -112,7 +104,6 @@ def _jagged_attn_bwd_dkdv(
     qk_scale = scale * 1.4426950408889634
     q_base = Q + q_start * stride_qt + h * stride_qh
     do_base = DO + o_start * stride_dot + h * stride_doh
-    dq_base = DQ + o_start * stride_dqt + h * stride_dqh
     lo, hi = _query_range(n0, q_len, left, right, BLOCK_M, BLOCK_N, CAUSAL, HAS_LEFT, HAS_RIGHT)
     f_lo, f_hi = _full_queries(n0, lo, hi, q_len, kv_len, history, left, right, BLOCK_M, BLOCK_N,
                                CAUSAL, HAS_TARGETS, HAS_LEFT, HAS_RIGHT)
@@ -127,7 +118,7 @@ def _jagged_attn_bwd_dkdv(
             dk, dv, k, v, q_base, do_base, LSE2, DELTA, offs_n, p_lo, p_hi, o_start, H, h,
             stride_qt, stride_dot, q_len, kv_len, history, left, right, scale, qk_scale, inv_norm,
             D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, ACTIVATION, CAUSAL, HAS_TARGETS, HAS_LEFT,
-            HAS_RIGHT, part != 0, INPUT_PRECISION, FAST_ACT, dq_base, stride_dqt, ATOMIC_DQ)
+            HAS_RIGHT, part != 0, INPUT_PRECISION, FAST_ACT)
     dk = dk * scale
     tl.store(DK + (kv_start + offs_n[:, None]) * stride_dkt + h * stride_dkh + offs_dqk[None, :],
              dk.to(DK.dtype.element_ty), mask=n_ok & (offs_dqk[None, :] < D_QK))
@@ -182,11 +173,10 @@ def _jagged_attn_bwd_dq(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACTIVATION: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, POOLED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    FAST_ACT: tl.constexpr, DELTA_ONLY: tl.constexpr,
+    FAST_ACT: tl.constexpr,
 ):
     """One query tile per program: loops over its key tiles. DQ rows follow the output rows.
-    Softmax: writes DELTA = rowsum(dO * O) (float32) for the dK/dV kernel that runs after it;
-    DELTA_ONLY: only that (the dK/dV kernel then computes dQ with atomics)."""
+    Softmax: writes DELTA = rowsum(dO * O) (float32) for the dK/dV kernel that runs after it."""
     pid_bh = tl.program_id(0)
     b = pid_bh // H
     h = pid_bh % H
@@ -199,6 +189,8 @@ def _jagged_attn_bwd_dq(
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < q_len
+    q = tl.load(Q + (q_start + offs_m[:, None]) * stride_qt + h * stride_qh + offs_dqk[None, :],
+                mask=m_ok[:, None] & (offs_dqk[None, :] < D_QK), other=0.0)
     do = tl.load(DO + (o_start + offs_m[:, None]) * stride_dot + h * stride_doh + offs_dv[None, :],
                  mask=m_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
     if ACTIVATION == 0:
@@ -207,13 +199,9 @@ def _jagged_attn_bwd_dq(
                     mask=m_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
         tl.store(DELTA + (o_start + offs_m) * H + h, delta, mask=m_ok)
-        if DELTA_ONLY:
-            return
     else:
         lse2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
         delta = lse2
-    q = tl.load(Q + (q_start + offs_m[:, None]) * stride_qt + h * stride_qh + offs_dqk[None, :],
-                mask=m_ok[:, None] & (offs_dqk[None, :] < D_QK), other=0.0)
     qk_scale = scale * 1.4426950408889634
     dq = tl.zeros((BLOCK_M, BLOCK_DQK), dtype=tl.float32)
     k_base = K + kv_start * stride_kt + h * stride_kh

@@ -144,19 +144,6 @@ def test_softmax_lazy_rescale_with_growing_scores(growth, monkeypatch):
             assert _rel_err(a, b) <= 1e-4, (tau, "d" + name, _rel_err(a, b))
 
 
-@pytest.mark.parametrize("activation", ["softmax", "silu"])
-def test_fused_backward_with_atomic_dq(activation, monkeypatch):
-    """The 5-MMA backward (dQ added with atomics inside the dK/dV kernel) against the reference:
-    causal with targets, windowed, cross and pooled (pooled keeps the per-sequence dQ rows)."""
-    from gemcore.kernels import jagged_attention_triton as jt
-
-    monkeypatch.setattr(jt, "ATOMIC_DQ", True)
-    check_parity(LENGTHS, activation=activation, causal=True, targets=TARGETS)
-    check_parity(LENGTHS, activation=activation, causal=False, window=(3, 20))
-    check_parity([3, 0, 20, 33], kv_lengths=[5, 4, 0, 17], activation=activation)
-    check_parity([1], kv_lengths=[5, 0, 33], pma=5, activation=activation)
-
-
 def test_head_dims_not_powers_of_two():
     check_parity([9, 21], causal=True, D=24, Dv=8)
     check_parity([9, 21], activation="silu", causal=True, D=24, Dv=8)
