@@ -48,10 +48,6 @@ CONFIGS: dict[tuple[str, int], TileConfig] = {
 
 _pinned: dict[str, TileConfig] = {}
 
-#: softmax forward: the running max (and the rescale of the output accumulator) moves only when a
-#: row's max grew by more than this many powers of two; 0 rescales at every key tile
-RESCALE_TAU = 8.0
-
 
 @contextlib.contextmanager
 def pinned_configs(**configs: TileConfig):
@@ -142,7 +138,7 @@ def _fwd(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, n
             out.stride(0), out.stride(1),
             H, nq_pooled, n_m_tiles, scale, inv_norm, window_left, window_right,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, RESCALE_TAU=RESCALE_TAU, **flags)
+            num_stages=cfg.num_stages, **flags)
     return out, lse2
 
 

@@ -23,10 +23,8 @@ def _fwd_loop(acc, m_i, l_i, q, k_base, v_base, offs_m, lo, hi, stride_kt, strid
               BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
               ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASKED: tl.constexpr,
-              INPUT_PRECISION: tl.constexpr, FAST_ACT: tl.constexpr, RESCALE_TAU: tl.constexpr):
-    """Key tiles [lo, hi) of one query tile; MASKED=False only for wholly visible tiles.
-
-    Softmax with RESCALE_TAU > 0 rescales lazily (see the loop); 0 rescales at every tile."""
+              INPUT_PRECISION: tl.constexpr, FAST_ACT: tl.constexpr):
+    """Key tiles [lo, hi) of one query tile; MASKED=False only for wholly visible tiles."""
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -50,27 +48,12 @@ def _fwd_loop(acc, m_i, l_i, q, k_base, v_base, offs_m, lo, hi, stride_kt, strid
                                    left, right, CAUSAL, HAS_TARGETS, HAS_LEFT, HAS_RIGHT)
                 s = tl.where(allowed, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            if RESCALE_TAU > 0:
-                # lazy rescaling: the reference max m_i moves (and acc, l_i are rescaled) only
-                # when some row's max grew by more than RESCALE_TAU (log2 units); otherwise
-                # p = 2^(s - m_i) <= 2^RESCALE_TAU, exact after the final division by l_i
-                grow = tl.max((m_new > m_i + RESCALE_TAU).to(tl.int32), 0)
-                if grow > 0:
-                    alpha = tl.math.exp2(tl.where(m_i == float("-inf"), 0.0, m_i)
-                                         - tl.where(m_new == float("-inf"), 0.0, m_new))
-                    l_i = l_i * alpha
-                    acc = acc * alpha[:, None]
-                    m_i = m_new
-                m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
-                p = tl.math.exp2(s - m_use[:, None])
-                l_i = l_i + tl.sum(p, 1)
-            else:
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.math.exp2(s - m_use[:, None])
-                alpha = tl.math.exp2(m_i - m_use)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None]
-                m_i = m_new
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_use[:, None])
+            alpha = tl.math.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            m_i = m_new
         else:
             p = _act(s * scale, ACTIVATION, FAST_ACT)
             if MASKED:
@@ -90,7 +73,7 @@ def _jagged_attn_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACTIVATION: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, POOLED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    FAST_ACT: tl.constexpr, RESCALE_TAU: tl.constexpr,
+    FAST_ACT: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     b = pid_bh // H
@@ -125,7 +108,7 @@ def _jagged_attn_fwd(
             acc, m_i, l_i, q, k_base, v_base, offs_m, p_lo, p_hi, stride_kt, stride_vt, q_len,
             kv_len, history, left, right, scale, qk_scale, D_QK, D_V, BLOCK_DQK, BLOCK_DV,
             BLOCK_N, ACTIVATION, CAUSAL, HAS_TARGETS, HAS_LEFT, HAS_RIGHT, part != 0,
-            INPUT_PRECISION, FAST_ACT, RESCALE_TAU)
+            INPUT_PRECISION, FAST_ACT)
     row_ok = offs_m < q_len
     if ACTIVATION == 0:
         empty = l_i == 0.0

@@ -74,7 +74,7 @@ def _exp_fwd(Q, K, V, O, kd, vd, offsets, stride_t, stride_h, H, n_m_tiles, scal
     acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, q, k_base, v_base, offs_m, f_hi, hi, stride_t,
                               stride_t, q_len, q_len, q_len, 0, 0, scale, qk_scale, D, D, D, D,
                               BLOCK_N, ACTIVATION, True, False, False, False, True, "tf32",
-                              FAST_ACT, 0.0)
+                              FAST_ACT)
     row_ok = offs_m < q_len
     if ACTIVATION == 0:
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
