@@ -6,6 +6,8 @@ Workloads and the FLOP count follow ANCHORS.md: H=4, D=128, bf16; useful forward
 nested-tensor SDPA) are measured in the same run, on the same inputs. gemcore is timed the way
 the model calls it (``max_seqlen`` given, ``validate=False``: no host sync, as ``varlen_attn``
 takes its maxima from the caller); ``--validated`` adds the checked call (one host sync).
+Each call is timed from an idle GPU (host launch work included) unless ``--gpu-time``, which times
+every row, gemcore and anchors alike, on the GPU alone (``timing.median_ms``'s spacer).
 """
 from __future__ import annotations
 
@@ -66,9 +68,19 @@ def useful_fwd_flops(q_lens: torch.Tensor, kv_lens: torch.Tensor | None, H: int,
     return flops / 2 if causal else flops
 
 
+#: spacer of ``--gpu-time`` timing, GPU cycles (~1 ms on an H200): longer than the host's work for
+#: one forward+backward call of any row (Python, autograd, launches)
+GPU_TIME_SPACER_CYCLES = 2_000_000
+
+
 def measure(name: str, forward: Callable[[], torch.Tensor], inputs, flops: float,
-            iters: int) -> Row:
-    """Time forward and forward+backward of ``forward()`` w.r.t. ``inputs``; peak memory of fwd+bwd."""
+            iters: int, gpu_time: bool = False) -> Row:
+    """Time forward and forward+backward of ``forward()`` w.r.t. ``inputs``; peak memory of fwd+bwd.
+
+    ``gpu_time``: each timed call waits behind a spacer kernel, so the time is the GPU's alone
+    (the host's launch work, hidden in a running model, is not counted); otherwise each call is
+    timed from an idle GPU and includes the host's work before its first kernel starts."""
+    timing = dict(launch_hidden=gpu_time, spacer_cycles=GPU_TIME_SPACER_CYCLES)
     try:
         out = forward()
         grad = torch.randn_like(out)
@@ -77,8 +89,8 @@ def measure(name: str, forward: Callable[[], torch.Tensor], inputs, flops: float
             torch.autograd.grad(forward(), inputs, grad)
 
         with torch.no_grad():
-            fwd_ms = median_ms(forward, iters)
-        fwdbwd_ms = median_ms(fwdbwd, iters)
+            fwd_ms = median_ms(forward, iters, **timing)
+        fwdbwd_ms = median_ms(fwdbwd, iters, **timing)
         del out
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -101,7 +113,8 @@ def _padded(x: torch.Tensor, offsets: torch.Tensor, lmax: int) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
-def anchor_rows(which, q, k, v, q_off, kv_off, q_max, kv_max, causal, flops, iters) -> list[Row]:
+def anchor_rows(which, q, k, v, q_off, kv_off, q_max, kv_max, causal, flops, iters,
+                gpu_time: bool = False) -> list[Row]:
     import torch.nn.functional as F
 
     rows = []
@@ -109,11 +122,11 @@ def anchor_rows(which, q, k, v, q_off, kv_off, q_max, kv_max, causal, flops, ite
         def sdpa():
             qp, kp, vp = _padded(q, q_off, q_max), _padded(k, kv_off, kv_max), _padded(v, kv_off, kv_max)
             return F.scaled_dot_product_attention(qp, kp, vp, is_causal=causal)
-        rows.append(measure("padded SDPA (pad inside the timing)", sdpa, (q, k, v), flops, iters))
+        rows.append(measure("padded SDPA (pad inside the timing)", sdpa, (q, k, v), flops, iters, gpu_time))
         qp, kp, vp = (t.detach().requires_grad_() for t in (
             _padded(q, q_off, q_max), _padded(k, kv_off, kv_max), _padded(v, kv_off, kv_max)))
         rows.append(measure("padded SDPA (pre-padded)", lambda: F.scaled_dot_product_attention(
-            qp, kp, vp, is_causal=causal), (qp, kp, vp), flops, iters))
+            qp, kp, vp, is_causal=causal), (qp, kp, vp), flops, iters, gpu_time))
         del qp, kp, vp
     if "varlen" in which:
         try:
@@ -124,19 +137,19 @@ def anchor_rows(which, q, k, v, q_off, kv_off, q_max, kv_max, causal, flops, ite
             cq, ck = q_off.to(torch.int32), kv_off.to(torch.int32)
             window = (-1, 0) if causal else (-1, -1)
             rows.append(measure("varlen_attn", lambda: varlen_attn(
-                q, k, v, cq, ck, q_max, kv_max, window_size=window), (q, k, v), flops, iters))
+                q, k, v, cq, ck, q_max, kv_max, window_size=window), (q, k, v), flops, iters, gpu_time))
     if "nested" in which:
         def nested():
             nq, nk, nv = (torch.nested.nested_tensor_from_jagged(t, off).transpose(1, 2)
                           for t, off in ((q, q_off), (k, kv_off), (v, kv_off)))
             return F.scaled_dot_product_attention(nq, nk, nv, is_causal=causal).transpose(1, 2).values()
-        rows.append(measure("nested jagged SDPA", nested, (q, k, v), flops, iters))
+        rows.append(measure("nested jagged SDPA", nested, (q, k, v), flops, iters, gpu_time))
     if "flex" in which:
-        rows.append(_flex_row(q, k, v, q_off, kv_off, causal, flops, iters))
+        rows.append(_flex_row(q, k, v, q_off, kv_off, causal, flops, iters, gpu_time))
     return rows
 
 
-def _flex_row(q, k, v, q_off, kv_off, causal, flops, iters) -> Row:
+def _flex_row(q, k, v, q_off, kv_off, causal, flops, iters, gpu_time: bool = False) -> Row:
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except ImportError as exc:
@@ -158,7 +171,7 @@ def _flex_row(q, k, v, q_off, kv_off, causal, flops, iters) -> Row:
         return Row("FlexAttention", None, None, None, None, None, f"{type(exc).__name__}: {str(exc)[:80]}")
     packed = [t.detach().transpose(0, 1).unsqueeze(0).requires_grad_() for t in (q, k, v)]
     return measure("FlexAttention (document mask)", lambda: flex(*packed, block_mask=mask),
-                   packed, flops, iters)
+                   packed, flops, iters, gpu_time)
 
 
 TUNE_CANDIDATES = {
@@ -214,6 +227,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time gemcore with its offset checks on (one host sync per call)")
     p.add_argument("--tune", action="store_true",
                    help="first sweep the tile configs of each kernel on this workload and use the fastest")
+    p.add_argument("--gpu-time", action="store_true",
+                   help="time every row (gemcore and anchors) on the GPU alone: each call waits behind a "
+                        "spacer kernel, so the host's launch work, hidden in a running model, is not counted")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -247,12 +263,13 @@ def run(args: argparse.Namespace) -> int:
                   max_seqlen=max(q_max, kv_max), backend="triton")
         # as the model calls it: offsets valid by construction, no host sync (varlen_attn's terms)
         rows.append(measure(f"gemcore {act}", lambda kw=kw: jagged_attention(
-            q, k, v, q_off, validate=False, **kw), (q, k, v), flops, args.iters))
+            q, k, v, q_off, validate=False, **kw), (q, k, v), flops, args.iters, args.gpu_time))
         if args.validated:
             rows.append(measure(f"gemcore {act}, offsets checked (1 sync)", lambda kw=kw: jagged_attention(
-                q, k, v, q_off, **kw), (q, k, v), flops, args.iters))
+                q, k, v, q_off, **kw), (q, k, v), flops, args.iters, args.gpu_time))
     which = ANCHORS if args.anchors == "all" else () if args.anchors == "none" else tuple(args.anchors.split(","))
-    rows += anchor_rows(which, q, k, v, q_off, kv_off, q_max, kv_max, causal, flops, args.iters)
+    rows += anchor_rows(which, q, k, v, q_off, kv_off, q_max, kv_max, causal, flops, args.iters,
+                        args.gpu_time)
     if args.pma:
         pq = torch.randn(args.pma, H, D, device=dev, dtype=dtype, generator=gen).requires_grad_()
         pma_flops = useful_fwd_flops(torch.full_like(kv_lens if cross else q_lens, args.pma),
@@ -260,11 +277,12 @@ def run(args: argparse.Namespace) -> int:
         for act in activations:
             rows.append(measure(f"gemcore PMA {act} (Nq={args.pma})", lambda act=act: jagged_attention(
                 pq, k, v, None, kv_offsets=kv_off, activation=act, backend="triton", max_seqlen=kv_max,
-                validate=False), (pq, k, v), pma_flops, args.iters))
+                validate=False), (pq, k, v), pma_flops, args.iters, args.gpu_time))
     meta = dict(workload=args.workload, device=torch.cuda.get_device_name(), torch=torch.__version__,
                 tokens_q=int(q_off[-1]), tokens_kv=int(kv_off[-1]), batch=int(q_lens.numel()),
                 padding_ratio=round(q_lens.numel() * q_max / int(q_off[-1]), 2), H=H, D=D,
-                dtype="bf16", causal=causal, useful_fwd_tflop=flops / 1e12)
+                dtype="bf16", causal=causal, useful_fwd_tflop=flops / 1e12,
+                timing="gpu (spacer)" if args.gpu_time else "per call from an idle GPU")
     try:
         import triton
 

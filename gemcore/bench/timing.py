@@ -13,14 +13,16 @@ SPACER_CYCLES = 200_000
 
 
 def median_ms(fn: Callable[[], object], iters: int | None = None, *, warmup: int = 3,
-              rep_ms: float = 200.0, launch_hidden: bool = False) -> float:
+              rep_ms: float = 200.0, launch_hidden: bool = False,
+              spacer_cycles: int = SPACER_CYCLES) -> float:
     """Median milliseconds of ``fn()`` on the current CUDA stream.
 
     ``iters`` calls are timed; when None, as many as fit in about ``rep_ms`` (5 to 200), judged
     from three calls after the warm-up. ``launch_hidden``: each timed call is queued behind a
     ~0.1 ms spacer kernel, so the start event fires only after the host has issued ``fn``'s
     launches; the time is then the GPU's alone (for kernels of tens of microseconds, where the
-    host's Python and launch work would otherwise be counted).
+    host's Python and launch work would otherwise be counted). ``spacer_cycles`` sets the
+    spacer's length: it must outlast the host's work for one call of ``fn``.
     """
     for _ in range(max(1, warmup)):
         fn()
@@ -37,7 +39,7 @@ def median_ms(fn: Callable[[], object], iters: int | None = None, *, warmup: int
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if launch_hidden:
-            torch.cuda._sleep(SPACER_CYCLES)
+            torch.cuda._sleep(spacer_cycles)
         start.record()
         fn()
         end.record()
