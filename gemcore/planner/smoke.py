@@ -4,6 +4,7 @@ before clipping (one JSON line, rank 0).
     torchrun --nproc-per-node 4 -m gemcore.planner.smoke --degrees dp_shard=2,tp=2 --steps 3
     torchrun --nproc-per-node 4 -m gemcore.planner.smoke --degrees dp_shard=2,pp=2,mbs=2 --blocks 4
     python -m gemcore.planner.smoke --steps 3          # one process: the reference losses
+    python -m gemcore.planner.smoke --device cuda --predict --hidden 512 --blocks 4 --max-len 512
 
 Every run draws the same model initialisation and the same global batches (users
 ``[s*B, (s+1)*B)`` at step s, split over the data-parallel ranks as the ``random`` sampler does),
@@ -32,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=32)
     ap.add_argument("--blocks", type=int, default=2)
     ap.add_argument("--max-len", type=int, default=24, help="longest history")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cpu: fp32, reference attention (any number of gloo ranks); cuda: one process, "
+                         "bf16 weights, Triton attention")
     ap.add_argument("--predict", action="store_true",
                     help="also calibrate this machine (gem plan --calibrate's measurements) and print the "
                          "planner's predicted step time beside the measured median (steps after the first)")
@@ -45,13 +49,18 @@ def main(argv: list[str] | None = None) -> int:
     from gemcore.plugins.parallel_planned import PlannedParallelism, launcher_env
 
     env = launcher_env()
+    if args.device == "cuda" and (env["world_size"] > 1 or not torch.cuda.is_available()):
+        ap.error("--device cuda runs one process on a machine with a CUDA GPU")
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     plan = Plan.parse(args.degrees) if args.degrees else Plan(dp_shard=env["world_size"])
     par = PlannedParallelism(plan, env)
     cfg = ModelConfig(num_items=300, hidden=args.hidden, num_blocks=args.blocks, num_heads=4, mlp_ratio=2,
                       moe_experts=args.experts, moe_top_k=2)
     torch.manual_seed(0)
-    model = GemModel(cfg, make_attention(AttentionConfig(), backend="reference"))
-    model = par.apply(model, torch.device("cpu"))
+    backend = "triton" if args.device == "cuda" else "reference"
+    model = GemModel(cfg, make_attention(AttentionConfig(), backend=backend)).to(dtype=dtype)
+    model = par.apply(model, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = make_synthetic(num_users=args.batch * args.steps, num_items=cfg.num_items,
                           num_actions=cfg.num_actions, max_len=args.max_len, num_candidates=2, num_clusters=4,
@@ -68,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             n = (everyone.offsets.diff() + everyone.cand_offsets.diff()).double()
             moments.append([(float(n[r::par.world_size].mean()), float((n[r::par.world_size] ** 2).mean()))
                             for r in range(par.world_size)])
-        batch = data.__getitems__(users)
+        batch = data.__getitems__(users).to(device)
         optimizer.zero_grad(set_to_none=True)
         if hasattr(model, "forward_backward"):   # a pipeline: forward and backward interleave
             loss = model.forward_backward(batch)
@@ -84,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.predict:
         first = data.__getitems__(list(range(args.batch))[par.rank::par.world_size])
         lengths = (first.offsets.diff() + first.cand_offsets.diff()).tolist()
-        out.update(_predict(plan, cfg, args, env, step_s, lengths, moments))
+        out.update(_predict(plan, cfg, args, env, step_s, lengths, moments, backend, dtype))
     if env["rank"] == 0:
         print(json.dumps(out), flush=True)
     if par.mesh is not None:
@@ -98,11 +107,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _predict(plan, cfg, args, env, step_s: list[float], lengths: list[int],
-             moments: list[list[tuple[float, float]]]) -> dict:
+             moments: list[list[tuple[float, float]]], backend: str, dtype: torch.dtype) -> dict:
     """Calibrated prediction of this run's step time (every rank measures: the collectives need all).
 
     The calibration runs right after the steps, in the same processes, on this run's first local
-    batch (its sequence lengths incl. candidates), the run's attention backend and dtype (fp32)."""
+    batch (its sequence lengths incl. candidates), the run's attention backend and dtype."""
     import dataclasses
 
     from gemcore.planner.calibrate import calibrate_cluster, measure
@@ -119,7 +128,7 @@ def _predict(plan, cfg, args, env, step_s: list[float], lengths: list[int],
     plan = dataclasses.replace(plan, mbs=max(1, args.batch // plan.dp))
     cluster = dataclasses.replace(make_cluster("h100", env["world_size"], env["local_world_size"]),
                                   kernels="eager")
-    rates = measure(spec, lengths=lengths, backend="reference")
+    rates = measure(spec, lengths=lengths, backend=backend, dtype=dtype)
     cluster, summary = calibrate_cluster(cluster, rates, spec=spec)
     # each step predicted at its own batch's lengths, on the rank whose share costs most (the others
     # wait for it in the collectives); compared over the steps after the first
