@@ -105,3 +105,11 @@ def test_tensor_parallel_refuses_mx_layers():
     with pytest.raises(ValueError, match=r"tp=2 with MX layers \(blocks\.0\."):
         apply_tp(model, TwoWayMesh())
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_smoke_refuses_cuda_without_a_gpu(capsys):
+    with pytest.raises(SystemExit) as exc:
+        smoke_main(["--device", "cuda", "--steps", "1"])
+    assert exc.value.code == 2
+    assert "--device cuda" in capsys.readouterr().err
