@@ -216,3 +216,43 @@ def test_kept_activations_match_the_cost_model(monkeypatch, experts):
         assert measured[mode] == pytest.approx(model[mode], rel=0.03), (mode, measured, model)
     assert measured["selective"] / measured["none"] == pytest.approx(
         model["selective"] / model["none"], rel=0.03)
+
+
+@pytest.fixture
+def one_rank_gloo():
+    """A one-process gloo default group, destroyed afterwards (skipped if one already exists)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("torch.distributed is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.new_group([0])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_selective_keeps_the_cp_all_gather(one_rank_gloo):
+    """cp's K/V carry all-gather is a functional collective, so gemcore's selective policy keeps
+    its output: the backward does not gather again (full recompute does, and must)."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from gemcore.planner.context_parallel import gather_rows
+
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(5, 8, requires_grad=True)
+
+    def block(x):
+        h = torch.relu(x @ w)
+        return (gather_rows(h, [5], one_rank_gloo) @ w).sum()
+
+    gathers = {}
+    for mode in ("selective", "full"):
+        ctx = dict(context_fn=lambda: create_selective_checkpoint_contexts(apply_mod.selective_ac_policy)) \
+            if mode == "selective" else {}
+        loss = checkpoint(block, x, use_reentrant=False, **ctx)
+        counter = CountOps(("_c10d_functional::all_gather_into_tensor", "c10d::allgather_"))
+        with counter:
+            loss.backward()
+        gathers[mode] = counter.count
+    assert gathers == {"selective": 0, "full": 1}

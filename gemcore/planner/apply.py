@@ -182,7 +182,8 @@ def apply_ac(model: nn.Module, mode: str) -> nn.Module:
     attention op and of functional collectives are kept (:func:`selective_ac_policy`), the
     elementwise work between them (RMSNorm, SiLU·mul, residual adds, MoE routing and gathers; on
     CPU the reference attention's masked softmax between its two saved bmm) is recomputed.
-    Collectives issued as c10d calls (cp's K/V all-gather, ep's all-to-all) are recomputed too.
+    cp's K/V all-gather is a functional collective and kept; ep's all-to-alls (gemcore.comms
+    calls, any backend) are not visible to the policy and run again in the backward.
     ``none``: nothing.
     """
     if mode == "none":

@@ -138,10 +138,15 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
+        # a functional collective (a new tensor, not an in-place c10d call), so selective
+        # activation checkpointing keeps its output (apply.SELECTIVE_AC_SAVE) instead of
+        # gathering again in the backward
+        from torch.distributed import _functional_collectives as funcol
+
         ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.stack(parts)
+        gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # torch < 2.13
+        gathered = funcol.wait_tensor(gather(x.contiguous(), 0, group))
+        return gathered.view(dist.get_world_size(group), *x.shape)
 
     @staticmethod
     def backward(ctx, grad):
