@@ -117,10 +117,13 @@ class TorchCommunicator(Communicator):
         return _finish_avg(out, op, self.world_size)
 
     def _all_to_all_direct(self, t: torch.Tensor, in_splits: list[int], out_splits: list[int]) -> torch.Tensor:
-        out = t.new_empty((sum(out_splits), *t.shape[1:]))
-        dist.all_to_all_single(out, t, output_split_sizes=out_splits, input_split_sizes=in_splits,
-                               group=self.group)
-        return out
+        # a functional collective (returns a new tensor): selective activation checkpointing keeps
+        # its output (gemcore.planner.apply.SELECTIVE_AC_SAVE) instead of exchanging again
+        from torch.distributed import _functional_collectives as funcol
+
+        group = self.group if self.group is not None else dist.group.WORLD
+        out = funcol.all_to_all_single(t.contiguous(), list(out_splits), list(in_splits), group)
+        return funcol.wait_tensor(out)
 
     def _broadcast_direct(self, t: torch.Tensor, src: int) -> torch.Tensor:
         if t.numel():

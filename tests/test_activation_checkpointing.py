@@ -256,3 +256,31 @@ def test_selective_keeps_the_cp_all_gather(one_rank_gloo):
             loss.backward()
         gathers[mode] = counter.count
     assert gathers == {"selective": 0, "full": 1}
+
+
+def test_selective_keeps_the_torch_backend_all_to_all(one_rank_gloo):
+    """ep's all-to-all through gemcore.comms' torch backend is a functional collective, so the
+    selective policy keeps it: the backward exchanges once (the gradients), not twice."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from gemcore.comms import group_communicator
+    from gemcore.comms.autograd import all_to_all
+
+    comm = group_communicator(one_rank_gloo, check=False)
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(5, 8, requires_grad=True)
+
+    def block(x):
+        h = torch.relu(x @ w)
+        return (all_to_all(comm, h, [5], [5]) @ w).sum()
+
+    exchanges = {}
+    for mode in ("selective", "full"):
+        ctx = dict(context_fn=lambda: create_selective_checkpoint_contexts(apply_mod.selective_ac_policy)) \
+            if mode == "selective" else {}
+        loss = checkpoint(block, x, use_reentrant=False, **ctx)
+        counter = CountOps(("_c10d_functional::all_to_all_single", "c10d::alltoall_base_"))
+        with counter:
+            loss.backward()
+        exchanges[mode] = counter.count
+    assert exchanges == {"selective": 1, "full": 2}

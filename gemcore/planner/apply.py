@@ -182,8 +182,9 @@ def apply_ac(model: nn.Module, mode: str) -> nn.Module:
     attention op and of functional collectives are kept (:func:`selective_ac_policy`), the
     elementwise work between them (RMSNorm, SiLU·mul, residual adds, MoE routing and gathers; on
     CPU the reference attention's masked softmax between its two saved bmm) is recomputed.
-    cp's K/V all-gather is a functional collective and kept; ep's all-to-alls (gemcore.comms
-    calls, any backend) are not visible to the policy and run again in the backward.
+    cp's K/V all-gather and ep's all-to-alls on gemcore.comms' torch backend are functional
+    collectives and kept; on the mpi / ce backends the all-to-alls are not visible to the policy
+    and run again in the backward.
     ``none``: nothing.
     """
     if mode == "none":
