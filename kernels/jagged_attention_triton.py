@@ -291,7 +291,7 @@ class _EagerJaggedAttention(torch.autograd.Function):
 def _needs_custom_op(*tensors) -> bool:
     """True where the call must go through the registered custom ops: under torch.compile (so it
     traces them), under a dispatch mode (selective activation checkpointing's policy saves the
-    op's outputs by name; FakeTensor; profilers' modes) and for tensor subclasses."""
+    op's outputs by name; FakeTensor; FlopCounterMode) and for tensor subclasses."""
     return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
             or any(t is not None and type(t) is not torch.Tensor for t in tensors))
 

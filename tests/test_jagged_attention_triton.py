@@ -130,7 +130,7 @@ def test_random_lengths(lengths, activation, seed):
 
 def test_eager_function_and_custom_op_agree():
     """Eager calls go through a plain autograd Function; under a dispatch mode (selective
-    checkpointing, FakeTensor, profilers) and torch.compile the same kernels run as the custom
+    checkpointing, FakeTensor, FlopCounterMode) and torch.compile the same kernels run as the custom
     ops. Both paths: same output and gradients, bit for bit."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
