@@ -57,3 +57,17 @@ def gem(args: list[str], cwd: Path, monkeypatch) -> GemResult:
 @pytest.fixture
 def tiny_args():
     return tiny_set_args
+
+
+@pytest.fixture
+def one_rank_group():
+    """A one-process gloo default group, destroyed afterwards (skipped if one already exists)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("torch.distributed is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.new_group([0])
+    finally:
+        dist.destroy_process_group()

@@ -218,25 +218,26 @@ def test_kept_activations_match_the_cost_model(monkeypatch, experts):
         model["selective"] / model["none"], rel=0.03)
 
 
-@pytest.fixture
-def one_rank_gloo():
-    """A one-process gloo default group, destroyed afterwards (skipped if one already exists)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("torch.distributed is already initialised in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.new_group([0])
-    finally:
-        dist.destroy_process_group()
-
-
-def test_selective_keeps_the_cp_all_gather(one_rank_gloo):
-    """cp's K/V carry all-gather is a functional collective, so gemcore's selective policy keeps
-    its output: the backward does not gather again (full recompute does, and must)."""
+def backward_calls(block, x, names) -> dict[str, int]:
+    """Calls of the ops ``names`` in the backward of ``block(x)`` checkpointed with gemcore's
+    selective policy and with full recompute."""
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+    calls = {}
+    for mode in ("selective", "full"):
+        ctx = dict(context_fn=lambda: create_selective_checkpoint_contexts(apply_mod.selective_ac_policy)) \
+            if mode == "selective" else {}
+        loss = checkpoint(block, x, use_reentrant=False, **ctx)
+        counter = CountOps(names)
+        with counter:
+            loss.backward()
+        calls[mode] = counter.count
+    return calls
+
+
+def test_selective_keeps_the_cp_all_gather(one_rank_group):
+    """cp's K/V carry all-gather is a functional collective, so gemcore's selective policy keeps
+    its output: the backward does not gather again (full recompute does, and must)."""
     from gemcore.planner.context_parallel import gather_rows
 
     w = torch.randn(8, 8, requires_grad=True)
@@ -244,29 +245,19 @@ def test_selective_keeps_the_cp_all_gather(one_rank_gloo):
 
     def block(x):
         h = torch.relu(x @ w)
-        return (gather_rows(h, [5], one_rank_gloo) @ w).sum()
+        return (gather_rows(h, [5], one_rank_group) @ w).sum()
 
-    gathers = {}
-    for mode in ("selective", "full"):
-        ctx = dict(context_fn=lambda: create_selective_checkpoint_contexts(apply_mod.selective_ac_policy)) \
-            if mode == "selective" else {}
-        loss = checkpoint(block, x, use_reentrant=False, **ctx)
-        counter = CountOps(("_c10d_functional::all_gather_into_tensor", "c10d::allgather_"))
-        with counter:
-            loss.backward()
-        gathers[mode] = counter.count
+    gathers = backward_calls(block, x, ("_c10d_functional::all_gather_into_tensor", "c10d::allgather_"))
     assert gathers == {"selective": 0, "full": 1}
 
 
-def test_selective_keeps_the_torch_backend_all_to_all(one_rank_gloo):
+def test_selective_keeps_the_torch_backend_all_to_all(one_rank_group):
     """ep's all-to-all through gemcore.comms' torch backend is a functional collective, so the
     selective policy keeps it: the backward exchanges once (the gradients), not twice."""
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-
     from gemcore.comms import group_communicator
     from gemcore.comms.autograd import all_to_all
 
-    comm = group_communicator(one_rank_gloo, check=False)
+    comm = group_communicator(one_rank_group, check=False)
     w = torch.randn(8, 8, requires_grad=True)
     x = torch.randn(5, 8, requires_grad=True)
 
@@ -274,13 +265,5 @@ def test_selective_keeps_the_torch_backend_all_to_all(one_rank_gloo):
         h = torch.relu(x @ w)
         return (all_to_all(comm, h, [5], [5]) @ w).sum()
 
-    exchanges = {}
-    for mode in ("selective", "full"):
-        ctx = dict(context_fn=lambda: create_selective_checkpoint_contexts(apply_mod.selective_ac_policy)) \
-            if mode == "selective" else {}
-        loss = checkpoint(block, x, use_reentrant=False, **ctx)
-        counter = CountOps(("_c10d_functional::all_to_all_single", "c10d::alltoall_base_"))
-        with counter:
-            loss.backward()
-        exchanges[mode] = counter.count
+    exchanges = backward_calls(block, x, ("_c10d_functional::all_to_all_single", "c10d::alltoall_base_"))
     assert exchanges == {"selective": 1, "full": 2}

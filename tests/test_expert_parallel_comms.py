@@ -316,20 +316,6 @@ def test_bad_arguments_name_themselves():
         apply_ep(dense, comm, 1)
 
 
-@pytest.fixture
-def one_rank_group():
-    """A one-process gloo default group, destroyed afterwards (skipped if one already exists)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("torch.distributed is already initialised in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.new_group([0])
-    finally:
-        dist.destroy_process_group()
-
-
 def test_one_rank_moe_and_wrapping(one_rank_group):
     """ep = 1 through the torch backend over a ProcessGroup (apply_ep's default without comms.init)
     and through a Communicator: the same function and gradients as the MoE; finalize of a wrapped
