@@ -4,6 +4,7 @@
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip.log 2>&1 || { cat /tmp/pip.log; exit 1; }
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv
 timeout 120 python3 scripts/llama_memory_probe.py --layers 2 4 8 > "$OUT/memprobe.txt" 2> "$OUT/memprobe.err"
 echo "memprobe rc=$?"; grep -v '^{' "$OUT/memprobe.txt"; tail -5 "$OUT/memprobe.err"
