@@ -124,8 +124,9 @@ class Llama(nn.Module):
         S, d = ids.shape[1], self.m.hidden // self.m.heads
         inv = 1.0 / self.m.rope_theta ** (torch.arange(0, d, 2, device=ids.device).float() / d)
         ang = torch.outer(torch.arange(S, device=ids.device).float(), inv)
-        cos, sin = ang.cos(), ang.sin()
         x = self.tok(ids)
+        # in the blocks' dtype: FSDP2 casts a block's inputs in its forward but not in AC's recompute
+        cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
         for layer in self.layers:
             x = (checkpoint(layer, x, cos, sin, use_reentrant=False, context_fn=every_other_mm_context)
                  if self.sac else layer(x, cos, sin))

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
                          "bf16 weights, Triton attention")
     ap.add_argument("--predict", action="store_true",
                     help="also calibrate this machine (gem plan --calibrate's measurements) and print the "
-                         "planner's predicted step time beside the measured median (steps after the first)")
+                         "planner's predicted step time beside the measured mean (after an untimed pass over the same batches)")
     args = ap.parse_args(argv)
 
     from gemcore.config import AttentionConfig, ModelConfig
@@ -67,28 +67,41 @@ def main(argv: list[str] | None = None) -> int:
                           kind="uniform", seed=0)
     import time
 
-    losses, grad_norms, step_s, moments = [], [], [], []
-    for step in range(args.steps):
+    def train_step(step: int) -> tuple[float, float | None, float]:
+        """One optimizer step on step ``step``'s global batch: (loss, gradient norm, seconds)."""
         t0 = time.perf_counter()
         first = 0 if args.same_batch else step * args.batch
-        users = list(range(first, first + args.batch))[par.rank::par.world_size]
-        if args.predict:                          # E[L], E[L²] of each rank's share of this step
-            everyone = data.__getitems__(list(range(first, first + args.batch)))
-            n = (everyone.offsets.diff() + everyone.cand_offsets.diff()).double()
-            moments.append([(float(n[r::par.world_size].mean()), float((n[r::par.world_size] ** 2).mean()))
-                            for r in range(par.world_size)])
-        batch = data.__getitems__(users).to(device)
+        batch = data.__getitems__(list(range(first, first + args.batch))[par.rank::par.world_size]).to(device)
         optimizer.zero_grad(set_to_none=True)
         if hasattr(model, "forward_backward"):   # a pipeline: forward and backward interleave
             loss = model.forward_backward(batch)
         else:
             loss = model.loss(batch)
             loss.backward()
-        if args.clip:
-            grad_norms.append(float(par.clip_grad_norm_(model.parameters(), args.clip)))
+        norm = float(par.clip_grad_norm_(model.parameters(), args.clip)) if args.clip else None
         optimizer.step()
-        losses.append(float(par.all_reduce_mean(loss.detach())))
-        step_s.append(time.perf_counter() - t0)
+        loss = float(par.all_reduce_mean(loss.detach()))
+        return loss, norm, time.perf_counter() - t0
+
+    if args.predict:
+        # one untimed pass over the same batches first: Triton compiles a kernel variant for each new
+        # length's divisibility, which is not the steady state the planner predicts
+        for step in range(args.steps):
+            train_step(step)
+    losses, grad_norms, step_s = [], [], []
+    for step in range(args.steps):
+        loss, norm, seconds = train_step(step)
+        losses.append(loss)
+        step_s.append(seconds)
+        if norm is not None:
+            grad_norms.append(norm)
+    moments = []                                  # E[L], E[L²] of each rank's share of each step
+    for step in range(args.steps if args.predict else 0):
+        first = 0 if args.same_batch else step * args.batch
+        everyone = data.__getitems__(list(range(first, first + args.batch)))
+        n = (everyone.offsets.diff() + everyone.cand_offsets.diff()).double()
+        moments.append([(float(n[r::par.world_size].mean()), float((n[r::par.world_size] ** 2).mean()))
+                        for r in range(par.world_size)])
     out = {"plan": par.describe(), "losses": losses, "grad_norms": grad_norms}
     if args.predict:
         first = data.__getitems__(list(range(args.batch))[par.rank::par.world_size])
@@ -131,14 +144,13 @@ def _predict(plan, cfg, args, env, step_s: list[float], lengths: list[int],
     rates = measure(spec, lengths=lengths, backend=backend, dtype=dtype)
     cluster, summary = calibrate_cluster(cluster, rates, spec=spec)
     # each step predicted at its own batch's lengths, on the rank whose share costs most (the others
-    # wait for it in the collectives); compared over the steps after the first
+    # wait for it in the collectives); the timed steps ran after a warm-up pass over the same batches
     ests = [max((estimate(spec, cluster, plan, seq_len=args.max_len, global_batch=args.batch,
                           length_moments=m) for m in per_rank), key=lambda e: e.step_time_s)
             for per_rank in moments]
-    skip = 1 if len(step_s) > 1 else 0
-    predicted = sum(e.step_time_s for e in ests[skip:]) / len(ests[skip:])
-    measured = sum(step_s[skip:]) / len(step_s[skip:])
-    ratios = [e.step_time_s / t for e, t in zip(ests[skip:], step_s[skip:])]
+    predicted = sum(e.step_time_s for e in ests) / len(ests)
+    measured = sum(step_s) / len(step_s)
+    ratios = [e.step_time_s / t for e, t in zip(ests, step_s)]
     est = ests[-1]
     return {"calibration": summary, "step_s_predicted": predicted, "step_s_measured": measured,
             "predicted_over_measured": predicted / measured,
