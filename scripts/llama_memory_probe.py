@@ -109,18 +109,31 @@ def every_other_mm_context():
     return create_selective_checkpoint_contexts(policy)
 
 
-class Llama(nn.Module):
-    def __init__(self, m: LlamaShape, sac: bool):
+class CheckpointedBlock(nn.Module):
+    """A block under the selective op AC policy (TorchTitan wraps each block the same way)."""
+
+    def __init__(self, block: Block):
         super().__init__()
-        self.m, self.sac = m, sac
+        self.block = block
+
+    def forward(self, x, cos, sin):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, x, cos, sin, use_reentrant=False, context_fn=every_other_mm_context)
+
+
+class Llama(nn.Module):
+    def __init__(self, m: LlamaShape, sac: bool, compile_blocks: bool = False):
+        super().__init__()
+        self.m = m
         self.tok = nn.Embedding(m.vocab, m.hidden)
-        self.layers = nn.ModuleList(Block(m) for _ in range(m.layers))
+        blocks = [CheckpointedBlock(Block(m)) if sac else Block(m) for _ in range(m.layers)]
+        # TorchTitan's compile scope: each (checkpointed) block, the loss and optimizer stay eager
+        self.layers = nn.ModuleList(torch.compile(b, fullgraph=True) if compile_blocks else b for b in blocks)
         self.norm = RMSNorm(m.hidden)
         self.out = nn.Linear(m.hidden, m.vocab, bias=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        from torch.utils.checkpoint import checkpoint
-
         S, d = ids.shape[1], self.m.hidden // self.m.heads
         inv = 1.0 / self.m.rope_theta ** (torch.arange(0, d, 2, device=ids.device).float() / d)
         ang = torch.outer(torch.arange(S, device=ids.device).float(), inv)
@@ -128,18 +141,17 @@ class Llama(nn.Module):
         # in the blocks' dtype: FSDP2 casts a block's inputs in its forward but not in AC's recompute
         cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
         for layer in self.layers:
-            x = (checkpoint(layer, x, cos, sin, use_reentrant=False, context_fn=every_other_mm_context)
-                 if self.sac else layer(x, cos, sin))
+            x = layer(x, cos, sin)
         return self.out(self.norm(x))
 
 
-def measure(layers: int, batch: int, seq: int, steps: int, sac: bool) -> dict:
+def measure(layers: int, batch: int, seq: int, steps: int, sac: bool, compile_blocks: bool) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
     with torch.device("meta"):
-        model = Llama(LlamaShape(layers), sac)
+        model = Llama(LlamaShape(layers), sac, compile_blocks)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for i, layer in enumerate(model.layers):
         fully_shard(layer, mp_policy=mp, reshard_after_forward=i < layers - 1)
@@ -168,7 +180,7 @@ def measure(layers: int, batch: int, seq: int, steps: int, sac: bool) -> dict:
     return {"layers": layers, "state_bytes": state, "steps": rows}
 
 
-def predicted(layers: int, batch: int, seq: int) -> dict:
+def predicted(layers: int, batch: int, seq: int, kernels: str) -> dict:
     from gemcore.planner.cluster import make_cluster
     from gemcore.planner.cost import estimate
     from gemcore.planner.models import load_model
@@ -176,7 +188,7 @@ def predicted(layers: int, batch: int, seq: int) -> dict:
 
     spec = dataclasses.replace(load_model("llama3-8b"), num_layers=layers, seq_len=seq)
     plan = Plan(dp_shard=1, mbs=batch, ac="selective", sac="every_other_mm")
-    est = estimate(spec, make_cluster("h200", 1, 1, kernels="eager"), plan, seq_len=seq, global_batch=batch)
+    est = estimate(spec, make_cluster("h200", 1, 1, kernels=kernels), plan, seq_len=seq, global_batch=batch)
     return {k: v for k, v in est.memory.items()}
 
 
@@ -187,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--no-sac", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each block (TorchTitan's scope)")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)   # internal: one layer count, this process
     args = ap.parse_args(argv)
     if args.one is not None:
@@ -196,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("MASTER_PORT", "29533")
         dist.init_process_group("nccl", rank=0, world_size=1)
         torch.cuda.set_device(0)
-        out = measure(args.one, args.batch, args.seq, args.steps, not args.no_sac)
+        out = measure(args.one, args.batch, args.seq, args.steps, not args.no_sac, args.compile)
         print(json.dumps(out))
         dist.destroy_process_group()
         return 0
@@ -205,14 +218,14 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for n in args.layers:        # a fresh process per layer count: a clean caching allocator
         cmd = [sys.executable, __file__, "--one", str(n), "--batch", str(args.batch), "--seq", str(args.seq),
-               "--steps", str(args.steps)] + (["--no-sac"] if args.no_sac else [])
+               "--steps", str(args.steps)] + (["--no-sac"] if args.no_sac else []) + (["--compile"] if args.compile else [])
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode:
             print(run.stderr[-3000:], file=sys.stderr)
             return run.returncode
         r = json.loads(run.stdout.strip().splitlines()[-1])
         last = r["steps"][-1]
-        pred = predicted(n, args.batch, args.seq)
+        pred = predicted(n, args.batch, args.seq, "compiled-blocks" if args.compile else "eager")
         r["predicted"] = pred
         results.append(r)
         print(f"layers {n}: state {r['state_bytes'] / GB:.2f} GB, peak allocated "

@@ -83,7 +83,7 @@ def test_bad_sac_policy_and_kernel_stack_exit_2(capsys, tmp_path):
     f.write_text('[cluster]\ngpu = "h100"\ngpus = 8\nkernels = "compile"\n')
     assert main(["plan", "--model", "llama3-8b", "--cluster", str(f), "--global-batch", "8",
                  "--degrees", "dp_shard=8"]) == 2
-    assert "--kernels must be one of fused, eager, compiled-blocks" in capsys.readouterr().err
+    assert "--kernels must be one of fused, eager, compiled-blocks, eager-torch-rmsnorm" in capsys.readouterr().err
 
 
 def test_torchtitan_policy_and_compiled_blocks(capsys):

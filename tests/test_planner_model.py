@@ -187,6 +187,22 @@ def test_compiled_blocks_stack_is_fused_blocks_with_eager_loss_and_optimizer():
     assert blocks.memory == fused.memory                            # activations kept as fused blocks keep them
 
 
+def test_eager_bytes_count_rope_for_llms_only_and_one_kernel_norms():
+    from gemcore.planner.cost import eager_elementwise_bytes
+
+    gem = dataclasses.replace(TINY, kind="gem", length_law="uniform", num_candidates=1, embedding_rows=5)
+    # RoPE in fp32 on q's and k's 2 + 2 heads of 4 dims, 20 B per element: GemModel has none
+    assert eager_elementwise_bytes(TINY, False) - eager_elementwise_bytes(gem, False) == 20 * 4 * 4
+    # two RMSNorms of 8 wide: 36 B per element with the fp32 upcast ops, 4 B as one kernel
+    upcast, one = eager_elementwise_bytes(TINY, False), eager_elementwise_bytes(TINY, False, "one-kernel")
+    assert upcast - one == 2 * (36 - 4) * 8
+    eager = estimate(TINY, Cluster(UNIT, 1, 1, kernels="eager"), Plan(), seq_len=4, global_batch=1)
+    torch_norm = estimate(TINY, Cluster(UNIT, 1, 1, kernels="eager-torch-rmsnorm"), Plan(), seq_len=4,
+                          global_batch=1)
+    # forward + backward (3x the forward's bytes) over 2 layers x 4 tokens at UNIT's 1 GB/s
+    assert eager.compute_s - torch_norm.compute_s == pytest.approx(3 * 2 * 4 * (upcast - one) / 1e9, rel=1e-9)
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"ac": "selective", "sac": "odd_mm"}, "sac must be one of all_mm, every_other_mm"),
     ({"ac": "full", "sac": "every_other_mm"}, "sac=every_other_mm is a policy of ac=selective"),

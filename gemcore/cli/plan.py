@@ -3,7 +3,7 @@
     gem plan --model PRESET|FILE.toml --gpus N --gpus-per-node G --gpu h100|h200|b200|a100
              [--seq-len S] [--global-batch SEQUENCES] [--top K] [--json]
              [--degrees dp_shard=32,tp=8,...] [--cluster FILE.toml]
-             [--kernels fused|eager|compiled-blocks] [--calibrate]
+             [--kernels fused|eager|compiled-blocks|eager-torch-rmsnorm] [--calibrate]
 
 Exit codes: 0 a plan was found (or the given layout is feasible); 2 bad input or nothing fits
 (the explanation names every broken rule).
@@ -31,8 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", choices=KERNEL_STACKS,
                    help="how non-matmul work runs: fused (torch.compile / fused kernels, the default), "
                         "eager (one PyTorch kernel per op) or compiled-blocks (torch.compile on the "
-                        "transformer blocks only, loss and optimizer eager, as TorchTitan compiles); the "
-                        "cost model counts their memory traffic")
+                        "transformer blocks only, loss and optimizer eager, as TorchTitan compiles) or "
+                        "eager-torch-rmsnorm (eager, each RMSNorm torch's one-kernel F.rms_norm on CUDA); "
+                        "the cost model counts their memory traffic")
     p.add_argument("--seq-len", type=int, metavar="S", help="sequence length (GEM: longest history)")
     p.add_argument("--global-batch", type=int, metavar="SEQUENCES",
                    help="sequences (users) per optimizer step (default: the preset's per-GPU batch x GPUs)")

@@ -124,16 +124,22 @@ class KernelStack:
     blocks: Literal["fused", "eager"]     #: the transformer blocks: norms, RoPE, SiLU·mul, residual adds, routing
     loss: Literal["fused", "eager"]       #: the cross-entropy over the vocabulary
     optimizer: Literal["fused", "eager"]  #: AdamW and the gradient-norm clipping
+    #: eager blocks' RMSNorm: ``"upcast"`` written in PyTorch ops with an fp32 upcast (TorchTitan's
+    #: eager Llama) or ``"one-kernel"``: ``torch.nn.functional.rms_norm``, one kernel on CUDA
+    #: (``aten::_fused_rms_norm``; on a CPU it decomposes into the upcast ops, so use ``eager`` there)
+    norm: Literal["upcast", "one-kernel"] = "upcast"
 
 
 #: ``fused``: everything fused (fused norms/RoPE/SwiGLU, fused cross-entropy and optimizer);
 #: ``eager``: unfused PyTorch everywhere (fp32 norm upcasts, fp32 cross-entropy, foreach AdamW);
 #: ``compiled-blocks``: torch.compile on the transformer blocks only, as TorchTitan compiles — the
-#: loss and the optimizer stay eager
+#: loss and the optimizer stay eager; ``eager-torch-rmsnorm``: eager, but each RMSNorm is torch's
+#: ``F.rms_norm`` (GemModel on CUDA)
 KERNEL_STACKS: dict[str, KernelStack] = {
     "fused": KernelStack(blocks="fused", loss="fused", optimizer="fused"),
     "eager": KernelStack(blocks="eager", loss="eager", optimizer="eager"),
     "compiled-blocks": KernelStack(blocks="fused", loss="eager", optimizer="eager"),
+    "eager-torch-rmsnorm": KernelStack(blocks="eager", loss="eager", optimizer="eager", norm="one-kernel"),
 }
 
 

@@ -145,12 +145,18 @@ def sac_recomputed_matmuls(model: ModelSpec, sac: str) -> tuple[tuple[str, int, 
 
 
 @lru_cache(maxsize=256)
+def rope_heads(model: ModelSpec) -> int:
+    """Heads that RoPE rotates per token: q's and k's for LLMs; GEM-style models (GemModel) have no
+    rotary position embedding."""
+    return model.num_heads + model.num_kv_heads if model.kind == "llm" else 0
+
+
 def elementwise_elements(model: ModelSpec, moe: bool) -> float:
     """Elements read + written by the non-matmul kernels of one layer's forward per token when
-    they are fused: two RMSNorms (4h), two residual adds (6h), RoPE on q and k, SiLU·mul (3F per
-    MLP), and for experts the token permutation there and back (4·top_k·h)."""
+    they are fused: two RMSNorms (4h), two residual adds (6h), RoPE on q and k (LLMs), SiLU·mul
+    (3F per MLP), and for experts the token permutation there and back (4·top_k·h)."""
     h = model.hidden
-    rope = 2 * (model.num_heads + model.num_kv_heads) * model.qk_head_dim
+    rope = 2 * rope_heads(model) * model.qk_head_dim
     if moe:
         mlp = 3 * model.expert_ffn * (model.top_k + model.shared_experts) + 4 * model.top_k * h
     else:
@@ -161,6 +167,8 @@ def elementwise_elements(model: ModelSpec, moe: bool) -> float:
 #: eager PyTorch bytes per element (reads + writes of every separate kernel, forward):
 #: RMSNorm upcast to fp32: cast (2+4), pow (4+4), mean (4), x·rsqrt (4+4), cast back (4+2), ·weight (2+2)
 EAGER_NORM_BYTES = 36
+#: RMSNorm as one kernel (torch's ``F.rms_norm`` on CUDA): read x, write y (2+2)
+ONE_KERNEL_NORM_BYTES = 4
 #: RoPE as a complex product in fp32: cast (2+4), complex multiply (4+4), cast back (4+2)
 EAGER_ROPE_BYTES = 20
 #: SiLU (2+2), then · up (2+2+2)
@@ -170,13 +178,14 @@ ADD_BYTES = 6
 
 
 @lru_cache(maxsize=256)
-def eager_elementwise_bytes(model: ModelSpec, moe: bool) -> float:
+def eager_elementwise_bytes(model: ModelSpec, moe: bool, norm: str = "upcast") -> float:
     """Bytes one layer's forward moves per token through unfused eager PyTorch kernels: the fused
-    count's tensors, but each op a kernel of its own (``EAGER_*``), plus the grouped-query K/V
-    expansion to all heads and the attention output's transpose back to (T, hidden)."""
+    count's tensors, but each op a kernel of its own (``EAGER_*``; ``norm="one-kernel"``: each
+    RMSNorm one kernel), plus the grouped-query K/V expansion to all heads and the attention
+    output's transpose back to (T, hidden)."""
     h, d, H, K = model.hidden, model.qk_head_dim, model.num_heads, model.num_kv_heads
-    norms = 2 * EAGER_NORM_BYTES * h
-    rope = EAGER_ROPE_BYTES * (H + K) * d
+    norms = 2 * (ONE_KERNEL_NORM_BYTES if norm == "one-kernel" else EAGER_NORM_BYTES) * h
+    rope = EAGER_ROPE_BYTES * rope_heads(model) * d
     if moe:
         mlp = (EAGER_SWIGLU_BYTES * model.expert_ffn * (model.top_k + model.shared_experts)
                + BF16 * 4 * model.top_k * h)
@@ -336,8 +345,8 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
     attn_flops = (3.0 * model.num_heads * (model.qk_head_dim + model.value_head_dim) * stage_layers
                   * plan.mbs * mean_sq / (tp * cp))
     if eager:                                     # byte counts are bf16's; fp32 moves twice as much
-        ew_fwd = dtype_scale * ((1 - moe_frac) * eager_elementwise_bytes(model, False)
-                  + moe_frac * eager_elementwise_bytes(model, True))
+        ew_fwd = dtype_scale * ((1 - moe_frac) * eager_elementwise_bytes(model, False, stack.norm)
+                  + moe_frac * eager_elementwise_bytes(model, True, stack.norm))
         last_add = dtype_scale * ADD_BYTES * h
     else:
         ew_fwd = act_b * ((1 - moe_frac) * elementwise_elements(model, False)

@@ -139,8 +139,9 @@ def _predict(plan, cfg, args, env, step_s: list[float], lengths: list[int],
                      top_k=cfg.moe_top_k if cfg.moe_experts else 0)
     # the run is one micro-batch of the local users per step, eager PyTorch kernels
     plan = dataclasses.replace(plan, mbs=max(1, args.batch // plan.dp))
+    # GemModel's RMSNorm is F.rms_norm: one kernel on CUDA, the upcast ops on a CPU
     cluster = dataclasses.replace(make_cluster("h100", env["world_size"], env["local_world_size"]),
-                                  kernels="eager")
+                                  kernels="eager-torch-rmsnorm" if args.device == "cuda" else "eager")
     rates = measure(spec, lengths=lengths, backend=backend, dtype=dtype)
     cluster, summary = calibrate_cluster(cluster, rates, spec=spec)
     # each step predicted at its own batch's lengths, on the rank whose share costs most (the others
