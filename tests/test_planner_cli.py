@@ -89,7 +89,7 @@ def test_bad_sac_policy_and_kernel_stack_exit_2(capsys, tmp_path):
 def test_torchtitan_policy_and_compiled_blocks(capsys):
     argv = ["--model", "llama3-8b", "--gpus", "8", "--seq-len", "8192", "--global-batch", "8",
             "--degrees", "dp_shard=8,ac=selective"]
-    _, gemcore = run_json(capsys, *argv, "--kernels", "fused")
+    _, gemcore = run_json(capsys, *argv, "--kernels", "compiled-blocks")
     _, titan = run_json(capsys, *argv[:-1], argv[-1] + ",sac=every_other_mm", "--kernels", "compiled-blocks")
     a, b = gemcore["plans"][0], titan["plans"][0]
     assert (a["sac"], b["sac"]) == ("all_mm", "every_other_mm")

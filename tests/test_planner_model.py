@@ -87,13 +87,28 @@ def test_memory_matches_hand_count():
     est = estimate(TINY, cluster, Plan(dp_shard=2), seq_len=4, global_batch=2)
     # per layer: q 8*2*4=64, k+v 8*2*(4+4)=128, o 64, norms 16, MLP 3*8*16=384 -> 656; 2 layers 1312
     # + embedding 80 + head 80 = 1472 weights, sharded over 2 -> 736 per GPU
-    # parameters: 4 B * 736 + two gathered bf16 layers 2 * 656 * 2 B = 2944 + 2624
-    assert est.memory["parameters"] == 5568
-    assert est.memory["gradients"] == 5568
+    # parameters: 4 B * 736 + two gathered bf16 layers 2 * 656 * 2 B + the root (embedding + head,
+    # never resharded after the forward) 160 * 2 B = 2944 + 2624 + 320
+    assert est.memory["parameters"] == 5888
+    assert est.memory["gradients"] == 5568          # 4 B * 736 + the two layers' bf16 gradients
     assert est.memory["optimizer"] == 8 * 736
     # activations per token-layer: attention 2h + q 8 + kv 16 + out 8 = 48, MLP 2h + 3F = 64 -> 112
-    # elements * 2 B * 4 tokens * 2 layers = 1792, + logits 8 B * 4 tokens * 10 vocab = 320
-    assert est.memory["activations"] == 2112
+    # elements * 2 B * 4 tokens * 2 layers = 1792, + the fused loss's 4 B * 4 tokens * 10 vocab = 160
+    assert est.memory["activations"] == 1952
+    # one micro-batch: the peak holds the larger of gradients and activations, not both
+    assert est.memory_total == 5888 + 8 * 736 + 5568
+    two = estimate(TINY, cluster, Plan(dp_shard=2), seq_len=4, global_batch=4)     # 2 micro-batches
+    assert two.num_microbatches == 2
+    assert two.memory_total == sum(two.memory.values())
+
+
+def test_peak_memory_holds_gradients_or_activations():
+    from gemcore.planner.cost import peak_memory
+
+    split = {"parameters": 1.0, "optimizer": 2.0, "gradients": 10.0, "activations": 30.0}
+    assert peak_memory(split, accumulates=False) == 33.0
+    assert peak_memory(split, accumulates=True) == 43.0
+    assert peak_memory({**split, "gradients": 50.0}, accumulates=False) == 53.0
 
 
 def test_flops_match_hand_count():
@@ -152,9 +167,15 @@ def test_torchtitan_sac_policy_matches_hand_count():
     titan = estimate(TINY_GQA, cluster, Plan(ac="selective", sac="every_other_mm"), seq_len=4, global_batch=1)
     # selective keeps per token and layer: input h + out-proj h + q 8 + k,v 2·4 + attention out 8
     # + gate_up 2F + down h = 80 elements; the policy drops 28 of them. x 2 B x 4 tokens x 2 layers
-    # (+ logits 8 B x 4 tokens x 10 vocab = 320)
-    assert gemcore.memory["activations"] == 80 * 2 * 4 * 2 + 320
-    assert titan.memory["activations"] == (80 - 28) * 2 * 4 * 2 + 320
+    # (+ the fused loss's 4 B x 4 tokens x 10 vocab = 160). Compiled (fused) blocks also drop the
+    # kept outputs only a residual add reads: wo's 8 unless recomputed, w2's 8
+    assert gemcore.memory["activations"] == (80 - 8 - 8) * 2 * 4 * 2 + 160
+    assert titan.memory["activations"] == (80 - 28 - 8) * 2 * 4 * 2 + 160
+    eager = Cluster(UNIT, 1, 1, kernels="eager")                   # eager SAC caches every kept output
+    assert estimate(TINY_GQA, eager, Plan(ac="selective"), seq_len=4,
+                    global_batch=1).memory["activations"] == 80 * 2 * 4 * 2 + 12 * 4 * 10
+    assert estimate(TINY_GQA, eager, Plan(ac="selective", sac="every_other_mm"), seq_len=4,
+                    global_batch=1).memory["activations"] == (80 - 28) * 2 * 4 * 2 + 12 * 4 * 10
     # the backward runs their forward again: 2 x 224 FLOPs per token and layer, 4 tokens, 2 layers, at
     # the GEMM rate of the thinnest side (4 tokens: 4 / 68); elementwise recompute is the same
     t_recompute = 2 * 224 * 4 * 2 / (1e12 * 0.5 * (4 / 68))
@@ -184,7 +205,10 @@ def test_compiled_blocks_stack_is_fused_blocks_with_eager_loss_and_optimizer():
     extra = ((40 - 6) * 4 * 10 + (96 - 32) * 1472) / 1e9
     assert blocks.compute_s - fused.compute_s == pytest.approx(extra, rel=1e-9)
     assert fused.compute_s < blocks.compute_s < eager.compute_s
-    assert blocks.memory == fused.memory                            # activations kept as fused blocks keep them
+    # the blocks keep what fused blocks keep; the eager loss holds 12 B per logit, the fused one 4
+    assert blocks.memory["activations"] - fused.memory["activations"] == (12 - 4) * 4 * 10
+    assert {k: v for k, v in blocks.memory.items() if k != "activations"} == {
+        k: v for k, v in fused.memory.items() if k != "activations"}
 
 
 def test_eager_bytes_count_rope_for_llms_only_and_one_kernel_norms():

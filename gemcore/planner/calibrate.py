@@ -9,9 +9,9 @@ Everything is measured the way the run computes, in the run's dtype (bf16 on CUD
   model's length law). The same count of length-1 sequences gives the per-sequence cost (a loop over
   sequences pays it), the rest the rate per counted FLOP (the planner's 3.5·H·(d_qk+d_v)·ΣL²);
 * elementwise: ``a * b`` on one micro-batch's activation (T, hidden), bytes read + written per s;
-* host overhead: one GemModel block forward + backward on a single one-token sequence (per layer),
-  and a one-block GemModel train step (embeddings, head, loss, clipping, AdamW) minus that block
-  (per step) — the time that does not scale with size; under a process group the same model
+* host overhead: one- and three-block GemModel train steps (embeddings, head, loss, clipping,
+  AdamW) on a single one-token sequence: the slope per block (per layer) and the rest (per step) —
+  the time that does not scale with size; under a process group the same model
   wrapped in FSDP2 the way the run is, for what sharding adds per layer and per step beyond the
   collectives' bytes and latencies;
 * under a process group (``torchrun``): all-gather and reduce-scatter at the size FSDP2 moves per
@@ -137,27 +137,24 @@ def _attention_times(lengths: list[int], targets: int, heads: int, head_dim: int
     return _timed(run)
 
 
-def _host_overheads(spec, backend: str, device: str, dtype: torch.dtype) -> tuple[float, float]:
-    """(per layer, per step) seconds of size-independent host work: a GemModel block on one token,
-    and a one-block model's train step on one user with one history event and one candidate."""
+def _tiny_step_s(heads: int, blocks: int, backend: str, device: str, dtype: torch.dtype,
+                 mesh=None) -> float:
+    """Seconds of one train step (loss, backward, clipping, AdamW) of a ``blocks``-block GemModel
+    of width 2·heads on one user with one history event and one candidate: host work only. With
+    ``mesh``: wrapped in FSDP2 the way the run is, gemcore's clipping, the loss all-reduced."""
     from gemcore.config import AttentionConfig, ModelConfig
     from gemcore.data.dataset import JaggedBatch
     from gemcore.kernels.jagged_attention import make_attention
-    from gemcore.model import Block, GemModel
-
-    heads = spec.num_heads if spec is not None else 4
-    cfg = ModelConfig(num_items=16, hidden=2 * heads, num_blocks=1, num_heads=heads, mlp_ratio=2)
-    attend = make_attention(AttentionConfig(), backend=backend)
-    block = Block(cfg, attend).to(device=device, dtype=dtype)
-    x = torch.randn(1, cfg.hidden, device=device, dtype=dtype, requires_grad=True)
-    off = torch.tensor([0, 1], device=device)
-    one = torch.ones(1, device=device, dtype=torch.int64)
-    layer_s = _timed(lambda: block(x, off, one, 1).sum().backward(), repeats=21)
-    # (includes one attention call on one sequence: its per-sequence part is subtracted by the caller)
+    from gemcore.model import GemModel
+    from gemcore.planner.apply import apply_fsdp, clip_grad_norm_
 
     torch.manual_seed(0)
-    model = GemModel(cfg, attend).to(device=device, dtype=dtype)
+    cfg = ModelConfig(num_items=16, hidden=2 * heads, num_blocks=blocks, num_heads=heads, mlp_ratio=2)
+    model = GemModel(cfg, make_attention(AttentionConfig(), backend=backend)).to(device=device, dtype=dtype)
+    if mesh is not None:
+        model = apply_fsdp(model, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    off = torch.tensor([0, 1], device=device)
     z = torch.zeros(1, device=device, dtype=torch.int64)
     batch = JaggedBatch(item_ids=z, actions=z, time_buckets=z, offsets=off, cand_ids=z,
                         cand_offsets=off, labels=torch.zeros(1, device=device), max_len=2, sum_sq_len=4)
@@ -166,17 +163,40 @@ def _host_overheads(spec, backend: str, device: str, dtype: torch.dtype) -> tupl
         loss = model.loss(batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if mesh is None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        else:
+            clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if mesh is not None:
+            import torch.distributed as dist
 
-    step_s = _timed(step, repeats=21)
-    return layer_s, max(0.0, step_s - layer_s)
+            dist.all_reduce(loss.detach())
+
+    if mesh is None:
+        return _timed(step, repeats=21)
+    import torch.distributed as dist
+
+    dist.barrier()
+    return _timed(step, repeats=21, budget_s=0.0)   # the same call count on every rank
+
+
+def _host_overheads(spec, backend: str, device: str, dtype: torch.dtype) -> tuple[float, float]:
+    """(per layer, per step) seconds of size-independent host work: the slope and the rest of one-
+    and three-block models' train steps on one token (:func:`_tiny_step_s`). Measured inside whole
+    steps, as the run pays them: a block timed alone would also pay the backward call's own start,
+    which a step pays once."""
+    heads = spec.num_heads if spec is not None else 4
+    one, three = (_tiny_step_s(heads, n, backend, device, dtype) for n in (1, 3))
+    layer_s = max(0.0, (three - one) / 2)
+    # (each layer includes one attention call on one sequence: the caller subtracts its per-sequence part)
+    return layer_s, max(0.0, one - layer_s)
 
 
 def _sharded_overheads(spec, backend: str, device: str, dtype: torch.dtype, layer_s: float,
                        step_s: float, latency_s: float) -> tuple[float, float]:
     """(per FSDP layer, per step) seconds a data-parallel step adds beyond the collectives' bytes
-    and latencies, measured under the process group on the same one-token model as
+    and latencies, measured under the process group on the same one-token models as
     :func:`_host_overheads`, wrapped the way the run is (FSDP2 per block and root, gemcore's
     clipping, the loss averaged over the ranks): one- and two-block models give the per-layer
     part (FSDP2's hooks, copy-in/copy-out, stream waits) and the rest per step. ``layer_s`` and
@@ -186,38 +206,9 @@ def _sharded_overheads(spec, backend: str, device: str, dtype: torch.dtype, laye
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from gemcore.config import AttentionConfig, ModelConfig
-    from gemcore.data.dataset import JaggedBatch
-    from gemcore.kernels.jagged_attention import make_attention
-    from gemcore.model import GemModel
-    from gemcore.planner.apply import apply_fsdp, clip_grad_norm_
-
     heads = spec.num_heads if spec is not None else 4
-    attend = make_attention(AttentionConfig(), backend=backend)
     mesh = init_device_mesh(device, (dist.get_world_size(),))
-    off = torch.tensor([0, 1], device=device)
-    z = torch.zeros(1, device=device, dtype=torch.int64)
-    batch = JaggedBatch(item_ids=z, actions=z, time_buckets=z, offsets=off, cand_ids=z,
-                        cand_offsets=off, labels=torch.zeros(1, device=device), max_len=2, sum_sq_len=4)
-
-    def wrapped_step_s(blocks: int) -> float:
-        torch.manual_seed(0)
-        cfg = ModelConfig(num_items=16, hidden=2 * heads, num_blocks=blocks, num_heads=heads, mlp_ratio=2)
-        model = apply_fsdp(GemModel(cfg, attend).to(device=device, dtype=dtype), mesh)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-        def step():
-            loss = model.loss(batch)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            dist.all_reduce(loss.detach())
-
-        dist.barrier()
-        return _timed(step, repeats=21, budget_s=0.0)   # the same call count on every rank
-
-    one, two = wrapped_step_s(1), wrapped_step_s(2)
+    one, two = (_tiny_step_s(heads, n, backend, device, dtype, mesh) for n in (1, 2))
     per_layer = max(0.0, two - one - layer_s)
     per_step = max(0.0, one - (step_s + layer_s) - per_layer)
     # the planner costs each unit's 3 FSDP collectives (a block's, and the root's once per step);

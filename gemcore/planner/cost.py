@@ -27,8 +27,12 @@ from gemcore.planner.plan import MESH_ORDER, MeshAxis, Plan
 #: share of HBM a plan may use; the rest covers the CUDA context, NCCL buffers and fragmentation
 MEMORY_HEADROOM = 0.9
 BF16, FP32 = 2, 4
-#: bytes per element of the LM-head logits alive at the loss: bf16 logits, fp32 upcast, bf16 grad
-LOGIT_BYTES = 8
+#: bytes per LM-head logit alive at once at the loss (measured on an H200, 16K × 128K logits,
+#: scripts/loss_norm_probe.py and llama_memory_probe.py): eager ``cross_entropy(x.float())`` holds
+#: the fp32 log-softmax output, its dense fp32 gradient and the input gradient during log-softmax's
+#: backward (12; its isolated peak is 14 with the bf16 logits, which the model does not keep);
+#: a fused (torch.compile) loss holds the bf16 logits and their bf16 gradient (4)
+LOSS_PEAK_BYTES = {"fused": 4, "eager": 12}
 #: AdamW step + gradient-norm traffic per local weight: read p, g, m, v, write p, m, v (fp32), read g
 OPTIMIZER_BYTES_PER_PARAM = 32
 
@@ -40,6 +44,7 @@ class Estimate:
     plan: Plan
     memory: dict[str, float]          #: parameters, gradients, optimizer, activations
     memory_limit: float
+    memory_peak: float                #: bytes per GPU at the step's peak (see :func:`peak_memory`)
     compute_s: float
     comm_exposed_s: dict[str, float]  #: per mesh dimension (+ embedding, pp p2p)
     bubble_s: float
@@ -56,7 +61,8 @@ class Estimate:
 
     @property
     def memory_total(self) -> float:
-        return sum(self.memory.values())
+        """Peak bytes per GPU (what must fit)."""
+        return self.memory_peak
 
     @property
     def fits(self) -> bool:
@@ -149,6 +155,19 @@ def rope_heads(model: ModelSpec) -> int:
     """Heads that RoPE rotates per token: q's and k's for LLMs; GEM-style models (GemModel) have no
     rotary position embedding."""
     return model.num_heads + model.num_kv_heads if model.kind == "llm" else 0
+
+
+def residual_only_outputs(model: ModelSpec, sac: str, moe_frac: float) -> float:
+    """Elements per token and layer of kept matmul outputs that only feed a residual add — the
+    attention out-projection (wo) and a dense MLP's down projection (w2), unless ``sac`` recomputes
+    them. Eager selective checkpointing caches every kept op's output; a compiled block's
+    partitioner keeps only what the backward reads, and an add's backward reads neither (measured:
+    TorchTitan's policy on Llama 3 8B blocks keeps 0.908 GB per layer compiled, 1.043 eager, at 16K
+    tokens: one h-wide bf16 tensor, w2's output; scripts/llama_memory_probe.py)."""
+    recomputed = {name for name, _, _ in sac_recomputed_matmuls(model, sac)}
+    wo = 0 if "wo" in recomputed else model.hidden
+    w2 = 0 if "w2" in recomputed else model.hidden * (1 - moe_frac)   # experts' outputs are read
+    return wo + w2
 
 
 def elementwise_elements(model: ModelSpec, moe: bool) -> float:
@@ -302,7 +321,9 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
     if plan.fsdp_size > 1:
         if plan.reshard_after_forward:
             gathered = 2 * layer_weights          # the current layer and the prefetched next one
-            memory["parameters"] += act_b * gathered
+            # FSDP2 does not reshard the root (embeddings, head) after the forward: the backward
+            # needs it at once, so its weights stay gathered from the head's forward to the end
+            memory["parameters"] += act_b * (gathered + edge / tp)
             memory["gradients"] += act_b * gathered
         else:                                     # gathered once per step, grads accumulate unsharded
             memory["parameters"] += act_b * (stage_dense + stage_expert + edge) / tp
@@ -320,6 +341,8 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
     act_token = ((1 - moe_frac) * activation_elements(model, plan.ac, False, eager)
                  + moe_frac * activation_elements(model, plan.ac, True, eager)
                  - sum(out for _, _, out in recomputed_mms))
+    if plan.ac == "selective" and not eager:      # compiled blocks drop the outputs no backward reads
+        act_token -= residual_only_outputs(model, plan.sac, moe_frac)
     per_layer_mb = act_b * act_token * tokens_mb / tp
     if plan.ac == "full":                         # the layer being recomputed holds everything
         recompute_layer = act_b * tokens_mb / tp * activation_elements(model, "none", model.is_moe, eager)
@@ -331,7 +354,7 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
         in_flight = min(in_flight, n_mb * 1.0)
     acts = stage_layers * per_layer_mb * in_flight + recompute_layer
     if llm:
-        logits = LOGIT_BYTES * tokens_mb * model.vocab_size / tp
+        logits = LOSS_PEAK_BYTES[stack.loss] * tokens_mb * model.vocab_size / tp
         acts = max(acts, stage_layers * per_layer_mb + logits) if pp > 1 else acts + logits
     memory["activations"] = acts
 
@@ -451,6 +474,7 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
                    + 3.0 * model.num_heads * (model.qk_head_dim + model.value_head_dim) * L * B * mean_sq)
     inside, across = placement(plan, cluster)
     return Estimate(plan=plan, memory=memory, memory_limit=MEMORY_HEADROOM * cluster.hbm_bytes,
+                    memory_peak=peak_memory(memory, accumulates=n_mb > 1 or pp > 1),
                     compute_s=compute_total, comm_exposed_s={k: t for k, t in comm.items() if t},
                     bubble_s=bubble, step_time_s=step, tokens_per_step=tokens_step,
                     model_flops_per_step=model_flops, num_gpus=cluster.gpus, peak_flops=cluster.peak_flops,
@@ -458,12 +482,24 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
                     host_overhead_s=host_exposed)
 
 
+def peak_memory(memory: dict[str, float], *, accumulates: bool) -> float:
+    """Bytes per GPU at the step's peak from ``estimate``'s split. With one micro-batch per step the
+    gradients and the activations never peak together: the backward frees each layer's activations
+    as it makes that layer's gradients (k layers in: k layers' gradients + L − k layers' activations,
+    largest at an end), so the peak holds the larger of the two. When gradients ``accumulate`` over
+    micro-batches (or pipeline stages hold several), they sit beside the next one's activations."""
+    both = memory["gradients"] + memory["activations"]
+    held = both if accumulates else max(memory["gradients"], memory["activations"])
+    return memory["parameters"] + memory["optimizer"] + held
+
+
 def _gemm_shape_factor(smallest_dim: float) -> float:
     """GEMMs with a thin side run below the large-GEMM rate: d / (d + 64)."""
     return smallest_dim / (smallest_dim + 64.0)
 
 
-__all__ = ["Estimate", "estimate", "training_state_bytes", "activation_elements", "sac_recomputed_matmuls",
+__all__ = ["Estimate", "estimate", "peak_memory", "training_state_bytes", "activation_elements", "sac_recomputed_matmuls",
+           "residual_only_outputs",
            "elementwise_elements",
            "eager_elementwise_bytes", "ring_time",
            "all_to_all_time", "placement", "MEMORY_HEADROOM"]
