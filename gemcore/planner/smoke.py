@@ -68,10 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     import time
 
     def train_step(step: int) -> tuple[float, float | None, float]:
-        """One optimizer step on step ``step``'s global batch: (loss, gradient norm, seconds)."""
-        t0 = time.perf_counter()
+        """One optimizer step on step ``step``'s global batch: (loss, gradient norm, seconds). The
+        batch is built and on the device before the clock starts (a DataLoader's workers prefetch
+        it; the planner does not model input work)."""
         first = 0 if args.same_batch else step * args.batch
         batch = data.__getitems__(list(range(first, first + args.batch))[par.rank::par.world_size]).to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         if hasattr(model, "forward_backward"):   # a pipeline: forward and backward interleave
             loss = model.forward_backward(batch)
