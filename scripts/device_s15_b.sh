@@ -10,7 +10,6 @@ python3 -c "
 import json; d=json.load(open('$OUT/loss_norm.json')); print(d['eager_loss'], d['compiled_loss'])
 k=d['rms_norm_kernels']; print('rms_norm fwd', len(k['forward']), k['forward'][:4]); print('rms_norm bwd', len(k['backward']), k['backward'][:6])" || tail -5 "$OUT/loss_norm.err"
 bash scripts/device_s14_predict.sh
-run_mid() { timeout 85 python3 -m gemcore.planner.smoke --device cuda --predict "$@" > "$OUT/predict_mid.json" 2> "$OUT/predict_mid.err"; echo "== mid rc=$?"; tail -c 600 "$OUT/predict_mid.json"; echo; }
-run_mid --hidden 768 --blocks 6 --max-len 1024 --batch 32 --steps 6
+scripts/predict_on_gpu.sh mid --hidden 768 --blocks 6 --max-len 1024 --batch 32 --steps 6
 timeout 200 python3 scripts/llama_memory_probe.py --layers 2 8 --compile > "$OUT/memprobe_compile.txt" 2> "$OUT/memprobe_compile.err"
 echo "memprobe compile rc=$?"; grep -v '^{' "$OUT/memprobe_compile.txt"; tail -5 "$OUT/memprobe_compile.err"
