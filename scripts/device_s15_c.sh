@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Session 15, call 4: planner predicted vs measured step time on one GPU after the host-overhead
-# calibration change (slope of 1- and 3-block steps), four sizes (the smallest twice).
+# Session 15, calls 4 and 5: planner predicted vs measured step time on one GPU after the host-overhead
+# calibration change (slope of 1- and 3-block steps), four sizes (the smallest twice); call 5 also
+# with the batch built before the clock starts.
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip.log 2>&1 || { cat /tmp/pip.log; exit 1; }
