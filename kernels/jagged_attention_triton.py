@@ -45,6 +45,10 @@ CONFIGS: dict[tuple[str, int], TileConfig] = {
     ("dq", 256): TileConfig(64, 32, 4, 2),
 }
 
+#: (kernel, head-dim bucket) -> TileConfig for the pointwise activations (silu, gelu, ...) where
+#: their best tile differs from softmax's (no running max/sum, other registers); else CONFIGS
+POINTWISE_CONFIGS: dict[tuple[str, int], TileConfig] = {}
+
 _pinned: dict[str, TileConfig] = {}
 
 
@@ -60,13 +64,19 @@ def pinned_configs(**configs: TileConfig):
         _pinned.update(old)
 
 
-def _config(kernel: str, head_dim: int, dtype: torch.dtype, max_rows: int) -> TileConfig:
-    """The tile of ``kernel`` for this head dim and dtype, its query tile fitted to ``max_rows``
-    (the longest query run)."""
+def head_dim_bucket(head_dim: int) -> int:
+    """The CONFIGS bucket of a head dim: 64, 128 or 256."""
+    return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+
+
+def _config(kernel: str, head_dim: int, dtype: torch.dtype, max_rows: int,
+            activation: str = "softmax") -> TileConfig:
+    """The tile of ``kernel`` for this head dim, dtype and activation, its query tile fitted to
+    ``max_rows`` (the longest query run)."""
     if kernel in _pinned:
         return _pinned[kernel]
-    bucket = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
-    cfg = CONFIGS[(kernel, bucket)]
+    key = (kernel, head_dim_bucket(head_dim))
+    cfg = POINTWISE_CONFIGS.get(key, CONFIGS[key]) if activation != "softmax" else CONFIGS[key]
     if dtype == torch.float32:  # fp32 tiles take twice the shared memory
         cfg = TileConfig(max(16, cfg.block_m // 2), max(16, cfg.block_n // 2), cfg.num_warps,
                          min(cfg.num_stages, 2))
@@ -139,7 +149,7 @@ def _fwd(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, n
     out = q.new_empty(rows, H, v.shape[2])
     lse2 = torch.empty(rows if activation == "softmax" else 0, H, device=q.device,
                        dtype=torch.float32)
-    cfg = _config("fwd", max(q.shape[2], v.shape[2]), q.dtype, max_q)
+    cfg = _config("fwd", max(q.shape[2], v.shape[2]), q.dtype, max_q, activation)
     n_m_tiles = _cdiv(max_q, cfg.block_m)
     if B * H > 0 and n_m_tiles > 0:
         _jagged_attn_fwd[(B * H, n_m_tiles)](
@@ -166,7 +176,7 @@ def _bwd(do, q, k, v, out, lse2, offsets, kv_offsets, num_targets, activation, c
                           dtype=torch.float32 if offsets is None else q.dtype)
     dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
-    cfg = _config("dq", max(q.shape[2], v.shape[2]), q.dtype, max_q)
+    cfg = _config("dq", max(q.shape[2], v.shape[2]), q.dtype, max_q, activation)
     n_m_tiles = _cdiv(max_q, cfg.block_m)
     if B * H > 0 and n_m_tiles > 0:
         _jagged_attn_bwd_dq[(B * H, n_m_tiles)](
@@ -177,7 +187,7 @@ def _bwd(do, q, k, v, out, lse2, offsets, kv_offsets, num_targets, activation, c
             H, nq_pooled, n_m_tiles, scale, inv_norm, window_left, window_right,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **flags)
-    cfg = _config("dkdv", max(q.shape[2], v.shape[2]), q.dtype, max_q)
+    cfg = _config("dkdv", max(q.shape[2], v.shape[2]), q.dtype, max_q, activation)
     n_n_tiles = _cdiv(max_seqlen, cfg.block_n)
     if B * H > 0 and n_n_tiles > 0:
         _jagged_attn_bwd_dkdv[(B * H, n_n_tiles)](

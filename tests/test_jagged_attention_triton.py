@@ -197,6 +197,20 @@ def test_query_tile_fits_the_longest_query_run():
     assert _fit_rows(cfg, 33).block_m == 64 and _fit_rows(cfg, 0).block_m == 16
 
 
+def test_pointwise_activations_take_their_own_tiles(monkeypatch):
+    from gemcore.kernels import jagged_attention_triton as jt
+
+    monkeypatch.setattr(jt, "_pinned", {})                    # the interpreter's small tiles off
+    softmax_tile = jt._config("fwd", 128, torch.bfloat16, 4096)
+    assert softmax_tile == jt.CONFIGS[("fwd", 128)]
+    assert jt._config("fwd", 128, torch.bfloat16, 4096, "silu") == softmax_tile   # no entry: shared
+    monkeypatch.setitem(jt.POINTWISE_CONFIGS, ("fwd", 128), TileConfig(64, 128, 8, 2))
+    assert jt._config("fwd", 128, torch.bfloat16, 4096, "silu") == TileConfig(64, 128, 8, 2)
+    assert jt._config("fwd", 100, torch.bfloat16, 4096, "gelu_tanh") == TileConfig(64, 128, 8, 2)
+    assert jt._config("fwd", 128, torch.bfloat16, 4096, "softmax") == softmax_tile
+    assert jt._config("dq", 128, torch.bfloat16, 4096, "silu") == jt.CONFIGS[("dq", 128)]
+
+
 def test_fast_activation_only_for_16_bit_cuda_inputs():
     from gemcore.kernels.jagged_attention_triton import _fast_act
 

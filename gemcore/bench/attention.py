@@ -184,12 +184,15 @@ TUNE_CANDIDATES = {
 }
 
 
-def tune(forward: Callable[[], torch.Tensor], inputs, head_dim: int, flops: float) -> None:
+def tune(forward: Callable[[], torch.Tensor], inputs, head_dim: int, flops: float,
+         activation: str = "softmax") -> None:
     """Sweep each kernel's candidate tiles (the others at their current best) and install the
-    fastest in ``jagged_attention_triton.CONFIGS`` for this head dim; prints every timing."""
+    fastest for this head dim in ``jagged_attention_triton.CONFIGS`` (softmax) or
+    ``POINTWISE_CONFIGS`` (the other activations); prints every timing."""
     from gemcore.kernels import jagged_attention_triton as jt
 
-    bucket = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+    bucket = jt.head_dim_bucket(head_dim)
+    table = jt.CONFIGS if activation == "softmax" else jt.POINTWISE_CONFIGS
     grad = torch.randn_like(forward())
     for kernel, candidates in TUNE_CANDIDATES.items():
         timings = {}
@@ -211,7 +214,7 @@ def tune(forward: Callable[[], torch.Tensor], inputs, head_dim: int, flops: floa
             print(f"tune {kernel} {cand}: {ms:.3f} ms ({'fwd' if kernel == 'fwd' else 'fwd+bwd'} {tflops:.1f} TFLOP/s)")
         if timings:
             best = min(timings, key=timings.get)
-            jt.CONFIGS[(kernel, bucket)] = jt.TileConfig(*best)
+            table[(kernel, bucket)] = jt.TileConfig(*best)
             print(f"tune {kernel}: best {best}")
 
 
@@ -257,7 +260,8 @@ def run(args: argparse.Namespace) -> int:
     if args.tune:
         kw = dict(kv_offsets=kv_off if cross else None, activation=activations[0], causal=causal,
                   max_seqlen=max(q_max, kv_max), backend="triton")
-        tune(lambda: jagged_attention(q, k, v, q_off, validate=False, **kw), (q, k, v), D, flops)
+        tune(lambda: jagged_attention(q, k, v, q_off, validate=False, **kw), (q, k, v), D, flops,
+             activations[0])
     for act in activations:
         kw = dict(kv_offsets=kv_off if cross else None, activation=act, causal=causal,
                   max_seqlen=max(q_max, kv_max), backend="triton")
