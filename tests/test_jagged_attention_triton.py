@@ -204,6 +204,7 @@ def test_pointwise_activations_take_their_own_tiles(monkeypatch):
     softmax_tile = jt._config("fwd", 128, torch.bfloat16, 4096)
     assert softmax_tile == jt.CONFIGS[("fwd", 128)]
     assert jt._config("fwd", 128, torch.bfloat16, 4096, "silu") == softmax_tile   # no entry: shared
+    assert jt._config("dkdv", 128, torch.bfloat16, 4096, "silu") == TileConfig(64, 128, 8, 3)
     monkeypatch.setitem(jt.POINTWISE_CONFIGS, ("fwd", 128), TileConfig(64, 128, 8, 2))
     assert jt._config("fwd", 128, torch.bfloat16, 4096, "silu") == TileConfig(64, 128, 8, 2)
     assert jt._config("fwd", 100, torch.bfloat16, 4096, "gelu_tanh") == TileConfig(64, 128, 8, 2)
