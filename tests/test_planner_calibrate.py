@@ -108,6 +108,15 @@ def test_measure_on_this_machine_and_calibrated_rates_reach_the_cost_model():
     assert set(summary) == set(rates)
 
 
+def test_attention_rate_is_capped_at_the_gemm_peak(monkeypatch):
+    from gemcore.planner import calibrate
+
+    # real lengths cost no more than as many length-1 sequences: the difference is timing noise
+    monkeypatch.setattr(calibrate, "_attention_times", lambda lengths, *args: 1e-3)
+    rates = measure(SMALL, lengths=[1, 5, 26, 13], backend="reference", size=128)
+    assert rates["attention_flops"] == rates["gemm_flops"]
+
+
 def test_measure_rejects_an_unknown_backend():
     with pytest.raises(ValueError, match="backend"):
         measure(SMALL, lengths=[3], backend="nope", size=64)
