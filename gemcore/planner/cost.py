@@ -150,7 +150,6 @@ def sac_recomputed_matmuls(model: ModelSpec, sac: str) -> tuple[tuple[str, int, 
     return tuple(mm for i, mm in enumerate(model.block_matmuls(), 1) if i % 2 == 0)
 
 
-@lru_cache(maxsize=256)
 def rope_heads(model: ModelSpec) -> int:
     """Heads that RoPE rotates per token: q's and k's for LLMs; GEM-style models (GemModel) have no
     rotary position embedding."""
@@ -170,6 +169,7 @@ def residual_only_outputs(model: ModelSpec, sac: str, moe_frac: float) -> float:
     return wo + w2
 
 
+@lru_cache(maxsize=256)
 def elementwise_elements(model: ModelSpec, moe: bool) -> float:
     """Elements read + written by the non-matmul kernels of one layer's forward per token when
     they are fused: two RMSNorms (4h), two residual adds (6h), RoPE on q and k (LLMs), SiLU·mul
