@@ -99,15 +99,15 @@ def main(argv: list[str] | None = None) -> int:
         step_s.append(seconds)
         if norm is not None:
             grad_norms.append(norm)
-    moments = []                                  # E[L], E[L²] of each rank's share of each step
-    for step in range(args.steps if args.predict else 0):
-        first = 0 if args.same_batch else step * args.batch
-        everyone = data.__getitems__(list(range(first, first + args.batch)))
-        n = (everyone.offsets.diff() + everyone.cand_offsets.diff()).double()
-        moments.append([(float(n[r::par.world_size].mean()), float((n[r::par.world_size] ** 2).mean()))
-                        for r in range(par.world_size)])
     out = {"plan": par.describe(), "losses": losses, "grad_norms": grad_norms}
     if args.predict:
+        moments = []                              # E[L], E[L²] of each rank's share of each step
+        for step in range(args.steps):
+            first = 0 if args.same_batch else step * args.batch
+            everyone = data.__getitems__(list(range(first, first + args.batch)))
+            n = (everyone.offsets.diff() + everyone.cand_offsets.diff()).double()
+            moments.append([(float(n[r::par.world_size].mean()), float((n[r::par.world_size] ** 2).mean()))
+                            for r in range(par.world_size)])
         first = data.__getitems__(list(range(args.batch))[par.rank::par.world_size])
         lengths = (first.offsets.diff() + first.cand_offsets.diff()).tolist()
         out.update(_predict(plan, cfg, args, env, step_s, lengths, moments, backend, dtype))
