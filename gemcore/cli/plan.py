@@ -193,5 +193,7 @@ def _print_plans(out: dict, plans, stream=None) -> None:
         ac_text = p.ac if p.sac == "all_mm" else f"{p.ac} (sac={p.sac})"
         w(f"{i:>2} {_degrees_text(p):<44} {p.mbs:>4} {ac_text:<9} {sched:<14} {mem_text:<26} {time_text:<26} "
           f"{est.tokens_per_s_per_gpu:>10.1f} {est.mfu:>6.1%}  {','.join(est.intra_node) or '-'}\n")
+    w("  mem: the peak; with one micro-batch per step it holds p + o + the larger of g and a (the "
+      "backward frees activations as it makes gradients), else all four\n")
     for line in out.get("why", []):
         w(f"  {line}\n")
