@@ -1,0 +1,228 @@
+"""Prototype, NOT part of gemcore and never run on a GPU: a Gluon (Triton 3.6) jagged causal
+softmax attention forward for Hopper with FA3's intra-warpgroup overlap — the next tile's QKᵀ is
+issued as an asynchronous wgmma before this tile's softmax, so the tensor cores work while the
+warps do the exponentials (session 14's Nsight Compute: the Triton kernels are latency-bound on the
+MMA → softmax → MMA chain, 57–71 % of cycles with no eligible warp).
+
+Scope: bf16, D = 128, causal self-attention, no targets / window; 128 × 128 tiles, 8 warps (two
+warpgroups of 64 rows); K/V through a 3-stage cp.async ring (tile j+2 loads while tile j computes).
+Same grid and outputs as ``gemcore.kernels.jagged_attention_triton``'s forward (out, base-2 LSE).
+
+    python scripts/gluon_attn_fwd_prototype.py --compile-only   # AOT for sm_90: registers, spills
+    python scripts/gluon_attn_fwd_prototype.py                  # on an H100/H200: parity + timing
+
+Compile-only works without a GPU (Triton ships ptxas); on this repo's CPU machines point
+PYTHONPATH at a Triton 3.6 install, the device machine's version.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia import ampere, hopper
+
+BLOCK_M, BLOCK_N, HEAD_D, STAGES, NUM_WARPS = 128, 128, 128, 3, 8
+
+
+@gluon.jit
+def _issue_kv_load(k_ring, v_ring, K, V, kv_row0, n0, seq_len, stage, stride_t,
+                   BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, layout: gl.constexpr):
+    """cp.async of key/value rows [n0, n0 + BLOCK_N) of one sequence (rows past its end: zeros)."""
+    rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, layout))
+    offs = (kv_row0 + rows)[:, None] * stride_t + cols[None, :]
+    ok = (rows < seq_len)[:, None]
+    ampere.async_copy.async_copy_global_to_shared(k_ring.index(stage), K + offs, mask=ok)
+    ampere.async_copy.async_copy_global_to_shared(v_ring.index(stage), V + offs, mask=ok)
+    ampere.async_copy.commit_group()
+
+
+@gluon.jit
+def _gluon_attn_fwd(Q, K, V, O, LSE2, offsets, stride_t, stride_h, H, qk_scale,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                    STAGES: gl.constexpr):
+    gl.static_assert(BLOCK_M == BLOCK_N)       # one diagonal tile per query tile
+    num_warps: gl.constexpr = gl.num_warps()
+    io: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], gl.bfloat16)
+
+    pid_bh = gl.program_id(0)
+    b = pid_bh // H
+    h = pid_bh % H
+    m0 = (gl.num_programs(1) - 1 - gl.program_id(1)) * BLOCK_M    # heaviest tiles first
+    start = gl.load(offsets + b)
+    seq_len = gl.load(offsets + b + 1) - start
+    if m0 < seq_len:
+        Qh = Q + h * stride_h
+        Kh = K + h * stride_h
+        Vh = V + h * stride_h
+        n_tiles = m0 // BLOCK_N + 1                # wholly visible tiles, then the diagonal one
+
+        k_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_D], smem)
+        v_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_D], smem)
+        _issue_kv_load(k_ring, v_ring, Kh, Vh, start, 0, seq_len, 0, stride_t, BLOCK_N, HEAD_D, io)
+        _issue_kv_load(k_ring, v_ring, Kh, Vh, start, BLOCK_N, seq_len, 1, stride_t, BLOCK_N, HEAD_D, io)
+
+        q_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, io))
+        cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, io))
+        q = gl.load(Qh + (start + q_rows)[:, None] * stride_t + cols[None, :],
+                    mask=(q_rows < seq_len)[:, None], other=0.0)
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_D], smem, q)
+
+        ampere.async_copy.wait_group(1)            # tile 0 landed (tile 1 may be in flight)
+        gl.thread_barrier()
+        hopper.fence_async_shared()
+        s_tok = hopper.warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)),
+                                     gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
+                                     use_acc=False, is_async=True)
+        s = hopper.warpgroup_mma_wait(0, deps=[s_tok])
+
+        acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+        rows_s = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        for j in range(n_tiles):
+            stage = j % STAGES
+            # tile j+2 goes into the stage tile j-1 used: every warpgroup must be past that tile's
+            # PV wgmma (each waited for its own at the end of the last iteration) before any thread
+            # overwrites it. A group is always committed (empty past the end), so wait_group(1)
+            # below always means "tile j+1 landed".
+            gl.thread_barrier()
+            if j + 2 < n_tiles:
+                _issue_kv_load(k_ring, v_ring, Kh, Vh, start, (j + 2) * BLOCK_N, seq_len,
+                               (j + 2) % STAGES, stride_t, BLOCK_N, HEAD_D, io)
+            else:
+                ampere.async_copy.commit_group()
+            ampere.async_copy.wait_group(1)
+            gl.thread_barrier()
+            hopper.fence_async_shared()
+            # the next tile's scores start on the tensor cores now (past the end: a stale stage,
+            # its result unused) ...
+            s_next_tok = hopper.warpgroup_mma(q_smem, k_ring.index((j + 1) % STAGES).permute((1, 0)),
+                                              gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
+                                              use_acc=False, is_async=True)
+            # ... while this tile's softmax runs on the CUDA cores
+            s = s * qk_scale
+            if j == n_tiles - 1:                   # the diagonal tile: key <= query
+                keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                s = gl.where(keys[None, :] <= rows_s[:, None], s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            p = gl.exp2(s - m_new[:, None])
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+            o_tok = hopper.warpgroup_mma(p_op, v_ring.index(stage), acc, is_async=True)
+            s, acc = hopper.warpgroup_mma_wait(0, deps=[s_next_tok, o_tok])
+
+        ampere.async_copy.wait_group(0)
+        acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+        lse2 = m_i + gl.log2(l_i)
+        out = gl.convert_layout(acc.to(gl.bfloat16), io)
+        gl.store(O + h * stride_h + (start + q_rows)[:, None] * stride_t + cols[None, :], out,
+                 mask=(q_rows < seq_len)[:, None])
+        lse_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        gl.store(LSE2 + (start + lse_rows) * H + h, lse2, mask=lse_rows < seq_len)
+
+
+def compile_only() -> None:
+    """AOT-compile for sm_90 (no GPU needed) and print registers and spills per thread."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE2": "*fp32", "offsets": "*i64",
+           "stride_t": "i32", "stride_h": "i32", "H": "i32", "qk_scale": "fp32",
+           "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "HEAD_D": "constexpr", "STAGES": "constexpr"}
+    # what a JIT launch specialises: pointers and the two strides divisible by 16 (16-byte rows)
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(8)}
+    src = GluonASTSource(_gluon_attn_fwd, sig, constexprs={"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N,
+                                                           "HEAD_D": HEAD_D, "STAGES": STAGES},
+                         attrs=aligned)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
+    wgmma = sum("wgmma.mma_async" in line for line in kernel.asm["ptx"].splitlines())
+    # registers and spills from ptxas itself (the loaded-kernel counters need a GPU)
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(kernel.asm["ptx"])
+        f.flush()
+        info = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", f.name, "-o", "/dev/null"],
+                              capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", info)
+    spills = re.search(r"(\d+) bytes spill stores", info)
+    print(f"triton {triton.__version__}: compiled for sm_90, {regs.group(1) if regs else '?'} registers, "
+          f"{spills.group(1) if spills else '?'} B spill stores, {kernel.metadata.shared} B shared, "
+          f"{wgmma} wgmma in the PTX")
+
+
+def run_on_gpu() -> int:
+    """Parity against gemcore's reference on jagged lengths, then dense95's forward timing."""
+    import torch
+
+    from gemcore.kernels.jagged_attention_reference import jagged_attention_reference
+
+    def launch(q, k, v, offsets, max_len):
+        T, H, D = q.shape
+        out = torch.empty_like(q)
+        lse2 = torch.empty(T, H, device=q.device, dtype=torch.float32)
+        grid = (offsets.numel() - 1) * H, math.ceil(max_len / BLOCK_M)
+        _gluon_attn_fwd[grid](q, k, v, out, lse2, offsets, q.stride(0), q.stride(1), H,
+                              (1 / math.sqrt(D)) * 1.4426950408889634, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                              HEAD_D=HEAD_D, STAGES=STAGES, num_warps=NUM_WARPS)
+        return out
+
+    from gemcore.bench.attention import GPU_TIME_SPACER_CYCLES, useful_fwd_flops, workload_lengths
+    from gemcore.bench.timing import median_ms
+    from gemcore.kernels import jagged_attention
+
+    torch.manual_seed(0)
+    lengths = [0, 1, 2, 127, 128, 129, 300, 1000, 2048]
+    offsets = torch.nn.functional.pad(torch.tensor(lengths).cumsum(0), (1, 0)).cuda()
+    q, k, v = (torch.randn(sum(lengths), 4, HEAD_D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    got = launch(q, k, v, offsets, max(lengths)).float()
+    want = jagged_attention_reference(q.double(), k.double(), v.double(), offsets, causal=True).float()
+    err = ((got - want).norm() / want.norm()).item()
+    print(f"parity: relative error {err:.2e} (bf16: expect < 1e-2)")
+    if not err < 1e-2:
+        return 1
+    for workload in ("dense95", "heavytail"):       # GPU time, beside gemcore's Triton forward
+        lens, _ = workload_lengths(workload)
+        offsets = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).cuda()
+        q, k, v = (torch.randn(int(lens.sum()), 4, HEAD_D, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(3))
+        flops, max_len = useful_fwd_flops(lens, None, 4, HEAD_D, True), int(lens.max())
+        timing = dict(launch_hidden=True, spacer_cycles=GPU_TIME_SPACER_CYCLES)
+        ms_gluon = median_ms(lambda: launch(q, k, v, offsets, max_len), **timing)
+        ms_triton = median_ms(lambda: jagged_attention(q, k, v, offsets, causal=True, max_seqlen=max_len,
+                                                       backend="triton", validate=False), **timing)
+        print(f"{workload}: gluon prototype {flops / ms_gluon / 1e9:.0f} TFLOP/s, "
+              f"gemcore triton {flops / ms_triton / 1e9:.0f} TFLOP/s (forward, GPU time)")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--compile-only", action="store_true")
+    args = ap.parse_args()
+    if args.compile_only:
+        compile_only()
+        return 0
+    return run_on_gpu()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
