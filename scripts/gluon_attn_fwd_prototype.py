@@ -4,8 +4,9 @@ issued as an asynchronous wgmma before this tile's softmax, so the tensor cores 
 warps do the exponentials (session 14's Nsight Compute: the Triton kernels are latency-bound on the
 MMA → softmax → MMA chain, 57–71 % of cycles with no eligible warp).
 
-Scope: bf16, D = 128, causal self-attention, no targets / window; 128 × 128 tiles, 8 warps (two
-warpgroups of 64 rows); K/V through a 3-stage cp.async ring (tile j+2 loads while tile j computes).
+Scope: bf16, D = 128, causal self-attention, no targets / window; 128-row query tiles, 8 warps (two
+warpgroups of 64 rows), 128- or 64-key tiles (``--block-n``); K/V through a cp.async ring of
+``STAGES`` tiles (tile j+2 loads while tile j computes).
 Same grid and outputs as ``gemcore.kernels.jagged_attention_triton``'s forward (out, base-2 LSE).
 
     python scripts/gluon_attn_fwd_prototype.py --compile-only   # AOT for sm_90: registers, spills
@@ -24,7 +25,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import ampere, hopper
 
-BLOCK_M, BLOCK_N, HEAD_D, STAGES, NUM_WARPS = 128, 128, 128, 3, 8
+BLOCK_M, HEAD_D, NUM_WARPS = 128, 128, 8
+#: key tile -> cp.async ring depth (3 × 2 × 128 × 128 × 2 B + Q = 224 KiB: the most that fits)
+STAGES_FOR = {128: 3, 64: 4}
 
 
 @gluon.jit
@@ -44,7 +47,7 @@ def _issue_kv_load(k_ring, v_ring, K, V, kv_row0, n0, seq_len, stage, stride_t,
 def _gluon_attn_fwd(Q, K, V, O, LSE2, offsets, stride_t, stride_h, H, qk_scale,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                     STAGES: gl.constexpr):
-    gl.static_assert(BLOCK_M == BLOCK_N)       # one diagonal tile per query tile
+    gl.static_assert(BLOCK_M % BLOCK_N == 0)   # the diagonal spans BLOCK_M // BLOCK_N key tiles
     num_warps: gl.constexpr = gl.num_warps()
     io: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -59,12 +62,13 @@ def _gluon_attn_fwd(Q, K, V, O, LSE2, offsets, stride_t, stride_h, H, qk_scale,
     h = pid_bh % H
     m0 = (gl.num_programs(1) - 1 - gl.program_id(1)) * BLOCK_M    # heaviest tiles first
     start = gl.load(offsets + b)
-    seq_len = gl.load(offsets + b + 1) - start
+    seq_len = (gl.load(offsets + b + 1) - start).to(gl.int32)
     if m0 < seq_len:
         Qh = Q + h * stride_h
         Kh = K + h * stride_h
         Vh = V + h * stride_h
-        n_tiles = m0 // BLOCK_N + 1                # wholly visible tiles, then the diagonal one
+        n_full = m0 // BLOCK_N                     # wholly visible key tiles
+        n_tiles = gl.minimum(n_full + BLOCK_M // BLOCK_N, gl.cdiv(seq_len, BLOCK_N))  # + the diagonal's
 
         k_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_D], smem)
         v_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_D], smem)
@@ -111,7 +115,7 @@ def _gluon_attn_fwd(Q, K, V, O, LSE2, offsets, stride_t, stride_h, H, qk_scale,
                                               use_acc=False, is_async=True)
             # ... while this tile's softmax runs on the CUDA cores
             s = s * qk_scale
-            if j == n_tiles - 1:                   # the diagonal tile: key <= query
+            if j >= n_full:                        # the diagonal's tiles: key <= query
                 keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
                 s = gl.where(keys[None, :] <= rows_s[:, None], s, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, 1))
@@ -134,7 +138,7 @@ def _gluon_attn_fwd(Q, K, V, O, LSE2, offsets, stride_t, stride_h, H, qk_scale,
         gl.store(LSE2 + (start + lse_rows) * H + h, lse2, mask=lse_rows < seq_len)
 
 
-def compile_only() -> None:
+def compile_only(block_n: int) -> None:
     """AOT-compile for sm_90 (no GPU needed) and print registers and spills per thread."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -145,8 +149,8 @@ def compile_only() -> None:
            "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "HEAD_D": "constexpr", "STAGES": "constexpr"}
     # what a JIT launch specialises: pointers and the two strides divisible by 16 (16-byte rows)
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(8)}
-    src = GluonASTSource(_gluon_attn_fwd, sig, constexprs={"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N,
-                                                           "HEAD_D": HEAD_D, "STAGES": STAGES},
+    src = GluonASTSource(_gluon_attn_fwd, sig, constexprs={"BLOCK_M": BLOCK_M, "BLOCK_N": block_n,
+                                                           "HEAD_D": HEAD_D, "STAGES": STAGES_FOR[block_n]},
                          attrs=aligned)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
     wgmma = sum("wgmma.mma_async" in line for line in kernel.asm["ptx"].splitlines())
@@ -164,13 +168,15 @@ def compile_only() -> None:
                               capture_output=True, text=True).stderr
     regs = re.search(r"Used (\d+) registers", info)
     spills = re.search(r"(\d+) bytes spill stores", info)
-    print(f"triton {triton.__version__}: compiled for sm_90, {regs.group(1) if regs else '?'} registers, "
+    print(f"triton {triton.__version__}, key tile {block_n}: compiled for sm_90, "
+          f"{regs.group(1) if regs else '?'} registers, "
           f"{spills.group(1) if spills else '?'} B spill stores, {kernel.metadata.shared} B shared, "
           f"{wgmma} wgmma in the PTX")
 
 
-def run_on_gpu() -> int:
-    """Parity against gemcore's reference on jagged lengths, then dense95's forward timing."""
+def run_on_gpu(block_n: int) -> int:
+    """Parity against gemcore's reference on jagged lengths, then the forward's GPU time on dense95
+    and heavytail beside gemcore's Triton kernel."""
     import torch
 
     from gemcore.kernels.jagged_attention_reference import jagged_attention_reference
@@ -181,8 +187,8 @@ def run_on_gpu() -> int:
         lse2 = torch.empty(T, H, device=q.device, dtype=torch.float32)
         grid = (offsets.numel() - 1) * H, math.ceil(max_len / BLOCK_M)
         _gluon_attn_fwd[grid](q, k, v, out, lse2, offsets, q.stride(0), q.stride(1), H,
-                              (1 / math.sqrt(D)) * 1.4426950408889634, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                              HEAD_D=HEAD_D, STAGES=STAGES, num_warps=NUM_WARPS)
+                              (1 / math.sqrt(D)) * 1.4426950408889634, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+                              HEAD_D=HEAD_D, STAGES=STAGES_FOR[block_n], num_warps=NUM_WARPS)
         return out
 
     from gemcore.bench.attention import GPU_TIME_SPACER_CYCLES, useful_fwd_flops, workload_lengths
@@ -196,7 +202,7 @@ def run_on_gpu() -> int:
     got = launch(q, k, v, offsets, max(lengths)).float()
     want = jagged_attention_reference(q.double(), k.double(), v.double(), offsets, causal=True).float()
     err = ((got - want).norm() / want.norm()).item()
-    print(f"parity: relative error {err:.2e} (bf16: expect < 1e-2)")
+    print(f"key tile {block_n}: parity: relative error {err:.2e} (bf16: expect < 1e-2)")
     if not err < 1e-2:
         return 1
     for workload in ("dense95", "heavytail"):       # GPU time, beside gemcore's Triton forward
@@ -217,11 +223,13 @@ def run_on_gpu() -> int:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--block-n", type=int, choices=sorted(STAGES_FOR), nargs="+", default=sorted(STAGES_FOR))
     args = ap.parse_args()
     if args.compile_only:
-        compile_only()
+        for block_n in args.block_n:
+            compile_only(block_n)
         return 0
-    return run_on_gpu()
+    return max(run_on_gpu(block_n) for block_n in args.block_n)
 
 
 if __name__ == "__main__":
