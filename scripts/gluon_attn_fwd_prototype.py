@@ -81,9 +81,11 @@ def _gluon_attn_fwd(Q, K, V, O, LSE2, offsets, stride_t, stride_h, H, qk_scale,
                     mask=(q_rows < seq_len)[:, None], other=0.0)
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_D], smem, q)
 
-        ampere.async_copy.wait_group(1)            # tile 0 landed (tile 1 may be in flight)
-        gl.thread_barrier()
+        # tile 0 landed (tile 1 may be in flight); each thread fences its own writes (cp.async and
+        # the Q store) for the async proxy that wgmma reads through, then all meet
+        ampere.async_copy.wait_group(1)
         hopper.fence_async_shared()
+        gl.thread_barrier()
         s_tok = hopper.warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)),
                                      gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
                                      use_acc=False, is_async=True)
@@ -106,8 +108,8 @@ def _gluon_attn_fwd(Q, K, V, O, LSE2, offsets, stride_t, stride_h, H, qk_scale,
             else:
                 ampere.async_copy.commit_group()
             ampere.async_copy.wait_group(1)
-            gl.thread_barrier()
             hopper.fence_async_shared()
+            gl.thread_barrier()
             # the next tile's scores start on the tensor cores now (past the end: a stale stage,
             # its result unused) ...
             s_next_tok = hopper.warpgroup_mma(q_smem, k_ring.index((j + 1) % STAGES).permute((1, 0)),
