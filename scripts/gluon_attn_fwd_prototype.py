@@ -1,13 +1,13 @@
 """Prototype, NOT part of gemcore and never run on a GPU: a Gluon (Triton 3.6) jagged causal
-softmax attention forward for Hopper with FA3's intra-warpgroup overlap — the next tile's QKᵀ is
-issued as an asynchronous wgmma before this tile's softmax, so the tensor cores work while the
-warps do the exponentials (session 14's Nsight Compute: the Triton kernels are latency-bound on the
-MMA → softmax → MMA chain, 57–71 % of cycles with no eligible warp).
+attention forward for Hopper with FA3's intra-warpgroup overlap — the next tile's QKᵀ is issued as
+an asynchronous wgmma before this tile's softmax (or activation), so the tensor cores work while
+the warps do the exponentials (session 14's Nsight Compute: the Triton kernels are latency-bound
+on the MMA → softmax → MMA chain, 57–71 % of cycles with no eligible warp).
 
-Scope: bf16, D = 128, causal self-attention, no targets / window; 128-row query tiles, 8 warps (two
-warpgroups of 64 rows), 128- or 64-key tiles (``--block-n``); K/V through a cp.async ring of
-``STAGES`` tiles (tile j+2 loads while tile j computes).
-Same grid and outputs as ``gemcore.kernels.jagged_attention_triton``'s forward (out, base-2 LSE).
+Scope: bf16, D = 128, causal self-attention, softmax or silu (GDPA / HSTU), no targets / window;
+128-row query tiles, 8 warps (two warpgroups of 64 rows), 128- or 64-key tiles (``--block-n``);
+K/V through a cp.async ring of ``STAGES`` tiles (tile j+2 loads while tile j computes). Same grid
+and outputs as ``gemcore.kernels.jagged_attention_triton``'s forward (out, base-2 LSE).
 
     python scripts/gluon_attn_fwd_prototype.py --compile-only   # AOT for sm_90: registers, spills
     python scripts/gluon_attn_fwd_prototype.py                  # on an H100/H200: parity + timing
@@ -44,9 +44,20 @@ def _issue_kv_load(k_ring, v_ring, K, V, kv_row0, n0, seq_len, stage, stride_t,
 
 
 @gluon.jit
-def _gluon_attn_fwd(Q, K, V, O, LSE2, offsets, stride_t, stride_h, H, qk_scale,
+def _silu_fast(x):
+    """x·sigmoid(x) with sigmoid(x) = (1 + tanh(x/2)) / 2 on the hardware tanh (one MUFU op), as
+    gemcore's Triton kernels do for 16-bit inputs."""
+    t = gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [0.5 * x], dtype=gl.float32,
+                                  is_pure=True, pack=1)
+    return x * (0.5 + 0.5 * t)
+
+
+@gluon.jit
+def _gluon_attn_fwd(Q, K, V, O, LSE2, offsets, stride_t, stride_h, H, qk_scale, inv_norm,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                    STAGES: gl.constexpr):
+                    STAGES: gl.constexpr, SILU: gl.constexpr):
+    """SILU=False: softmax (``qk_scale`` = scale·log2 e; writes the base-2 LSE); SILU=True: GDPA /
+    HSTU, out = Σ silu(scale·q·k) v · inv_norm (``qk_scale`` = scale; LSE2 untouched)."""
     gl.static_assert(BLOCK_M % BLOCK_N == 0)   # the diagonal spans BLOCK_M // BLOCK_N key tiles
     num_warps: gl.constexpr = gl.num_warps()
     io: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
@@ -115,44 +126,54 @@ def _gluon_attn_fwd(Q, K, V, O, LSE2, offsets, stride_t, stride_h, H, qk_scale,
             s_next_tok = hopper.warpgroup_mma(q_smem, k_ring.index((j + 1) % STAGES).permute((1, 0)),
                                               gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
                                               use_acc=False, is_async=True)
-            # ... while this tile's softmax runs on the CUDA cores
+            # ... while this tile's softmax (or activation) runs on the CUDA cores
             s = s * qk_scale
-            if j >= n_full:                        # the diagonal's tiles: key <= query
-                keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-                s = gl.where(keys[None, :] <= rows_s[:, None], s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            p = gl.exp2(s - m_new[:, None])
-            alpha = gl.exp2(m_i - m_new)
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            if SILU:
+                p = _silu_fast(s)
+                if j >= n_full:                    # the diagonal's tiles: key <= query
+                    keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                    p = gl.where(keys[None, :] <= rows_s[:, None], p, 0.0)
+            else:
+                if j >= n_full:
+                    keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                    s = gl.where(keys[None, :] <= rows_s[:, None], s, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, 1))
+                p = gl.exp2(s - m_new[:, None])
+                alpha = gl.exp2(m_i - m_new)
+                l_i = l_i * alpha + gl.sum(p, 1)
+                m_i = m_new
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
             o_tok = hopper.warpgroup_mma(p_op, v_ring.index(stage), acc, is_async=True)
             s, acc = hopper.warpgroup_mma_wait(0, deps=[s_next_tok, o_tok])
 
         ampere.async_copy.wait_group(0)
-        acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-        lse2 = m_i + gl.log2(l_i)
+        if SILU:
+            acc = acc * inv_norm
+        else:
+            acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+            lse_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            gl.store(LSE2 + (start + lse_rows) * H + h, m_i + gl.log2(l_i), mask=lse_rows < seq_len)
         out = gl.convert_layout(acc.to(gl.bfloat16), io)
         gl.store(O + h * stride_h + (start + q_rows)[:, None] * stride_t + cols[None, :], out,
                  mask=(q_rows < seq_len)[:, None])
-        lse_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        gl.store(LSE2 + (start + lse_rows) * H + h, lse2, mask=lse_rows < seq_len)
 
 
-def compile_only(block_n: int) -> None:
+def compile_only(block_n: int, silu: bool) -> None:
     """AOT-compile for sm_90 (no GPU needed) and print registers and spills per thread."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE2": "*fp32", "offsets": "*i64",
-           "stride_t": "i32", "stride_h": "i32", "H": "i32", "qk_scale": "fp32",
-           "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "HEAD_D": "constexpr", "STAGES": "constexpr"}
+           "stride_t": "i32", "stride_h": "i32", "H": "i32", "qk_scale": "fp32", "inv_norm": "fp32",
+           "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "HEAD_D": "constexpr", "STAGES": "constexpr",
+           "SILU": "constexpr"}
     # what a JIT launch specialises: pointers and the two strides divisible by 16 (16-byte rows)
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(8)}
     src = GluonASTSource(_gluon_attn_fwd, sig, constexprs={"BLOCK_M": BLOCK_M, "BLOCK_N": block_n,
-                                                           "HEAD_D": HEAD_D, "STAGES": STAGES_FOR[block_n]},
+                                                           "HEAD_D": HEAD_D, "STAGES": STAGES_FOR[block_n],
+                                                           "SILU": silu},
                          attrs=aligned)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
     wgmma = sum("wgmma.mma_async" in line for line in kernel.asm["ptx"].splitlines())
@@ -170,56 +191,64 @@ def compile_only(block_n: int) -> None:
                               capture_output=True, text=True).stderr
     regs = re.search(r"Used (\d+) registers", info)
     spills = re.search(r"(\d+) bytes spill stores", info)
-    print(f"triton {triton.__version__}, key tile {block_n}: compiled for sm_90, "
+    print(f"triton {triton.__version__}, {'silu' if silu else 'softmax'}, key tile {block_n}: compiled for sm_90, "
           f"{regs.group(1) if regs else '?'} registers, "
           f"{spills.group(1) if spills else '?'} B spill stores, {kernel.metadata.shared} B shared, "
           f"{wgmma} wgmma in the PTX")
 
 
 def run_on_gpu(block_n: int) -> int:
-    """Parity against gemcore's reference on jagged lengths, then the forward's GPU time on dense95
-    and heavytail beside gemcore's Triton kernel."""
+    """Per activation (softmax, silu with HSTU's norm = max_seqlen): parity against gemcore's
+    reference on jagged lengths, then the forward's GPU time on dense95 and heavytail beside
+    gemcore's Triton kernel in the same process. Returns 1 if any parity check fails."""
     import torch
-
-    from gemcore.kernels.jagged_attention_reference import jagged_attention_reference
-
-    def launch(q, k, v, offsets, max_len):
-        T, H, D = q.shape
-        out = torch.empty_like(q)
-        lse2 = torch.empty(T, H, device=q.device, dtype=torch.float32)
-        grid = (offsets.numel() - 1) * H, math.ceil(max_len / BLOCK_M)
-        _gluon_attn_fwd[grid](q, k, v, out, lse2, offsets, q.stride(0), q.stride(1), H,
-                              (1 / math.sqrt(D)) * 1.4426950408889634, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-                              HEAD_D=HEAD_D, STAGES=STAGES_FOR[block_n], num_warps=NUM_WARPS)
-        return out
 
     from gemcore.bench.attention import GPU_TIME_SPACER_CYCLES, useful_fwd_flops, workload_lengths
     from gemcore.bench.timing import median_ms
     from gemcore.kernels import jagged_attention
+    from gemcore.kernels.jagged_attention_reference import jagged_attention_reference
 
-    torch.manual_seed(0)
-    lengths = [0, 1, 2, 127, 128, 129, 300, 1000, 2048]
-    offsets = torch.nn.functional.pad(torch.tensor(lengths).cumsum(0), (1, 0)).cuda()
-    q, k, v = (torch.randn(sum(lengths), 4, HEAD_D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    got = launch(q, k, v, offsets, max(lengths)).float()
-    want = jagged_attention_reference(q.double(), k.double(), v.double(), offsets, causal=True).float()
-    err = ((got - want).norm() / want.norm()).item()
-    print(f"key tile {block_n}: parity: relative error {err:.2e} (bf16: expect < 1e-2)")
-    if not err < 1e-2:
-        return 1
-    for workload in ("dense95", "heavytail"):       # GPU time, beside gemcore's Triton forward
-        lens, _ = workload_lengths(workload)
-        offsets = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).cuda()
-        q, k, v = (torch.randn(int(lens.sum()), 4, HEAD_D, device="cuda", dtype=torch.bfloat16)
-                   for _ in range(3))
-        flops, max_len = useful_fwd_flops(lens, None, 4, HEAD_D, True), int(lens.max())
-        timing = dict(launch_hidden=True, spacer_cycles=GPU_TIME_SPACER_CYCLES)
-        ms_gluon = median_ms(lambda: launch(q, k, v, offsets, max_len), **timing)
-        ms_triton = median_ms(lambda: jagged_attention(q, k, v, offsets, causal=True, max_seqlen=max_len,
-                                                       backend="triton", validate=False), **timing)
-        print(f"{workload}: gluon prototype {flops / ms_gluon / 1e9:.0f} TFLOP/s, "
-              f"gemcore triton {flops / ms_triton / 1e9:.0f} TFLOP/s (forward, GPU time)")
-    return 0
+    def launch(q, k, v, offsets, max_len, activation):
+        T, H, D = q.shape
+        out = torch.empty_like(q)
+        lse2 = torch.empty(T, H, device=q.device, dtype=torch.float32)
+        silu = activation == "silu"
+        scale = 1 / math.sqrt(D)
+        grid = (offsets.numel() - 1) * H, math.ceil(max_len / BLOCK_M)
+        _gluon_attn_fwd[grid](q, k, v, out, lse2, offsets, q.stride(0), q.stride(1), H,
+                              scale if silu else scale * 1.4426950408889634, 1.0 / max_len,
+                              BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_D=HEAD_D,
+                              STAGES=STAGES_FOR[block_n], SILU=silu, num_warps=NUM_WARPS)
+        return out
+
+    failed = 0
+    for activation in ("softmax", "silu"):
+        torch.manual_seed(0)
+        lengths = [0, 1, 2, 127, 128, 129, 300, 1000, 2048]
+        offsets = torch.nn.functional.pad(torch.tensor(lengths).cumsum(0), (1, 0)).cuda()
+        q, k, v = (torch.randn(sum(lengths), 4, HEAD_D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        got = launch(q, k, v, offsets, max(lengths), activation).float()
+        want = jagged_attention_reference(q.double(), k.double(), v.double(), offsets, causal=True,
+                                          activation=activation).float()
+        err = ((got - want).norm() / want.norm()).item()
+        print(f"{activation}, key tile {block_n}: parity: relative error {err:.2e} (bf16: expect < 1e-2)")
+        if not err < 1e-2:
+            failed = 1
+            continue
+        for workload in ("dense95", "heavytail"):
+            lens, _ = workload_lengths(workload)
+            offsets = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).cuda()
+            q, k, v = (torch.randn(int(lens.sum()), 4, HEAD_D, device="cuda", dtype=torch.bfloat16)
+                       for _ in range(3))
+            flops, max_len = useful_fwd_flops(lens, None, 4, HEAD_D, True), int(lens.max())
+            timing = dict(launch_hidden=True, spacer_cycles=GPU_TIME_SPACER_CYCLES)
+            ms_gluon = median_ms(lambda: launch(q, k, v, offsets, max_len, activation), **timing)
+            ms_triton = median_ms(lambda: jagged_attention(
+                q, k, v, offsets, causal=True, activation=activation, max_seqlen=max_len,
+                backend="triton", validate=False), **timing)
+            print(f"  {workload}: gluon prototype {flops / ms_gluon / 1e9:.0f} TFLOP/s, "
+                  f"gemcore triton {flops / ms_triton / 1e9:.0f} TFLOP/s (forward, GPU time)")
+    return failed
 
 
 def main() -> int:
@@ -228,8 +257,9 @@ def main() -> int:
     ap.add_argument("--block-n", type=int, choices=sorted(STAGES_FOR), nargs="+", default=sorted(STAGES_FOR))
     args = ap.parse_args()
     if args.compile_only:
-        for block_n in args.block_n:
-            compile_only(block_n)
+        for silu in (False, True):
+            for block_n in args.block_n:
+                compile_only(block_n, silu)
         return 0
     return max(run_on_gpu(block_n) for block_n in args.block_n)
 
