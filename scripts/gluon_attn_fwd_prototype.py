@@ -9,6 +9,7 @@ Scope: bf16, D = 128, causal self-attention, softmax or silu (GDPA / HSTU), no t
 K/V through a cp.async ring of ``STAGES`` tiles (tile j+2 loads while tile j computes). Same grid
 and outputs as ``gemcore.kernels.jagged_attention_triton``'s forward (out, base-2 LSE).
 
+    python scripts/gluon_attn_fwd_prototype.py --emulate        # the schedule in PyTorch, on a CPU
     python scripts/gluon_attn_fwd_prototype.py --compile-only   # AOT for sm_90: registers, spills
     python scripts/gluon_attn_fwd_prototype.py                  # on an H100/H200: parity + timing
 
@@ -159,6 +160,101 @@ def _gluon_attn_fwd(Q, K, V, O, LSE2, offsets, stride_t, stride_h, H, qk_scale, 
                  mask=(q_rows < seq_len)[:, None])
 
 
+def emulate(q, k, v, offsets, block_n: int, activation: str):
+    """The kernel's schedule in PyTorch on any device, tile for tile and in the kernel's order: the
+    same query-tile grid, n_full / n_tiles, ring stages, one-ahead scores and diagonal masks, so
+    index and masking mistakes show up on a CPU (Gluon has no interpreter). Not Gluon semantics:
+    layouts, barriers and async completion are the GPU run's to check. Returns out (T, H, D)."""
+    import torch
+
+    T, H, D = q.shape
+    stages = STAGES_FOR[block_n]
+    scale = 1 / math.sqrt(D)
+    silu = activation == "silu"
+    max_len = int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0
+    inv_norm = 1.0 / max(max_len, 1)
+    out = torch.zeros(T, H, D, dtype=torch.float32)
+    n_m = math.ceil(max_len / BLOCK_M)
+    for b in range(offsets.numel() - 1):
+        start, seq_len = int(offsets[b]), int(offsets[b + 1] - offsets[b])
+        for h in range(H):
+            for pid1 in range(n_m):
+                m0 = (n_m - 1 - pid1) * BLOCK_M
+                if not m0 < seq_len:
+                    continue
+
+                def tile(x, n0):                   # rows [n0, n0 + BLOCK_N) of the sequence, zeros past it
+                    t = torch.zeros(block_n, D)
+                    rows = torch.arange(n0, n0 + block_n)
+                    ok = rows < seq_len
+                    t[ok] = x[start + rows[ok], h].float()
+                    return t
+
+                n_full = m0 // block_n
+                n_tiles = min(n_full + BLOCK_M // block_n, -(-seq_len // block_n))
+                ring_k, ring_v = [None] * stages, [None] * stages
+                ring_k[0], ring_v[0] = tile(k, 0), tile(v, 0)
+                ring_k[1], ring_v[1] = tile(k, block_n), tile(v, block_n)
+                rows = torch.arange(m0, m0 + BLOCK_M)
+                qt = torch.zeros(BLOCK_M, D)
+                ok = rows < seq_len
+                qt[ok] = q[start + rows[ok], h].float()
+                s = qt @ ring_k[0].T
+                acc = torch.zeros(BLOCK_M, D)
+                m_i = torch.full((BLOCK_M,), float("-inf"))
+                l_i = torch.zeros(BLOCK_M)
+                for j in range(n_tiles):
+                    stage = j % stages
+                    if j + 2 < n_tiles:
+                        n0 = (j + 2) * block_n
+                        ring_k[(j + 2) % stages], ring_v[(j + 2) % stages] = tile(k, n0), tile(v, n0)
+                    nxt = ring_k[(j + 1) % stages]
+                    s_next = qt @ nxt.T if nxt is not None else None
+                    s = s * (scale if silu else scale * 1.4426950408889634)
+                    keys = j * block_n + torch.arange(block_n)
+                    visible = keys[None, :] <= rows[:, None]
+                    if silu:
+                        p = torch.nn.functional.silu(s)
+                        if j >= n_full:
+                            p = torch.where(visible, p, 0.0)
+                    else:
+                        if j >= n_full:
+                            s = torch.where(visible, s, float("-inf"))
+                        m_new = torch.maximum(m_i, s.max(1).values)
+                        p = torch.exp2(s - m_new[:, None])
+                        alpha = torch.exp2(m_i - m_new)
+                        l_i = l_i * alpha + p.sum(1)
+                        m_i = m_new
+                        acc = acc * alpha[:, None]
+                    acc = acc + p.to(torch.bfloat16).float() @ ring_v[stage]
+                    s = s_next
+                acc = acc * inv_norm if silu else acc / l_i[:, None]
+                out[start + rows[ok], h] = acc[ok]
+    return out
+
+
+def check_emulation() -> int:
+    """The schedule against gemcore's reference on a CPU: both activations, both key tiles."""
+    import torch
+
+    from gemcore.kernels.jagged_attention_reference import jagged_attention_reference
+
+    failed = 0
+    gen = torch.Generator().manual_seed(0)
+    lengths = [0, 1, 2, 63, 64, 65, 127, 128, 129, 200, 300]
+    offsets = torch.nn.functional.pad(torch.tensor(lengths).cumsum(0), (1, 0))
+    q, k, v = (torch.randn(sum(lengths), 2, HEAD_D, generator=gen).to(torch.bfloat16) for _ in range(3))
+    for activation in ("softmax", "silu"):
+        want = jagged_attention_reference(q.double(), k.double(), v.double(), offsets, causal=True,
+                                          activation=activation).float()
+        for block_n in sorted(STAGES_FOR):
+            got = emulate(q, k, v, offsets, block_n, activation)
+            err = ((got - want).norm() / want.norm()).item()
+            print(f"emulated schedule, {activation}, key tile {block_n}: relative error {err:.2e}")
+            failed |= not err < 1e-2
+    return int(failed)
+
+
 def compile_only(block_n: int, silu: bool) -> None:
     """AOT-compile for sm_90 (no GPU needed) and print registers and spills per thread."""
     import triton
@@ -254,8 +350,11 @@ def run_on_gpu(block_n: int) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--emulate", action="store_true", help="check the schedule in PyTorch on a CPU")
     ap.add_argument("--block-n", type=int, choices=sorted(STAGES_FOR), nargs="+", default=sorted(STAGES_FOR))
     args = ap.parse_args()
+    if args.emulate:
+        return check_emulation()
     if args.compile_only:
         for silu in (False, True):
             for block_n in args.block_n:
