@@ -5,8 +5,9 @@ the warps do the exponentials (session 14's Nsight Compute: the Triton kernels a
 on the MMA → softmax → MMA chain, 57–71 % of cycles with no eligible warp).
 
 Scope: bf16, D = 128, causal self-attention, softmax or silu (GDPA / HSTU), no targets / window;
-128-row query tiles, 8 warps (two warpgroups of 64 rows), 128- or 64-key tiles (``--block-n``);
-K/V through a cp.async ring of ``STAGES`` tiles (tile j+2 loads while tile j computes). Same grid
+tiles of 128 query × 128 or 64 key rows on 8 warps (two warpgroups of 64 rows), or 64 × 64 on one
+warpgroup (``--variant``); K/V through a cp.async ring of ``STAGES`` tiles (tile j+2 loads while
+tile j computes). Same grid
 and outputs as ``gemcore.kernels.jagged_attention_triton``'s forward (out, base-2 LSE).
 
     python scripts/gluon_attn_fwd_prototype.py --emulate        # the schedule in PyTorch, on a CPU
@@ -26,9 +27,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import ampere, hopper
 
-BLOCK_M, HEAD_D, NUM_WARPS = 128, 128, 8
-#: key tile -> cp.async ring depth (3 × 2 × 128 × 128 × 2 B + Q = 224 KiB: the most that fits)
-STAGES_FOR = {128: 3, 64: 4}
+HEAD_D = 128
+#: name -> (query rows, key rows, cp.async ring stages, warps); the ring needs >= 3 stages (tile
+#: j+2 loads while j computes). 128x128: 3 x 2 x 32 KiB + Q = 224 KiB, the most that fits;
+#: 64x64 on one warpgroup: 112 KiB, so two CTAs share an SM (their MMAs and softmaxes interleave)
+VARIANTS = {"m128n128": (128, 128, 3, 8), "m128n64": (128, 64, 4, 8), "m64n64": (64, 64, 3, 4)}
 
 
 @gluon.jit
@@ -160,7 +163,7 @@ def _gluon_attn_fwd(Q, K, V, O, LSE2, offsets, stride_t, stride_h, H, qk_scale, 
                  mask=(q_rows < seq_len)[:, None])
 
 
-def emulate(q, k, v, offsets, block_n: int, activation: str):
+def emulate(q, k, v, offsets, variant: str, activation: str):
     """The kernel's schedule in PyTorch on any device, tile for tile and in the kernel's order: the
     same query-tile grid, n_full / n_tiles, ring stages, one-ahead scores and diagonal masks, so
     index and masking mistakes show up on a CPU (Gluon has no interpreter). Not Gluon semantics:
@@ -168,18 +171,18 @@ def emulate(q, k, v, offsets, block_n: int, activation: str):
     import torch
 
     T, H, D = q.shape
-    stages = STAGES_FOR[block_n]
+    block_m, block_n, stages, _ = VARIANTS[variant]
     scale = 1 / math.sqrt(D)
     silu = activation == "silu"
     max_len = int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0
     inv_norm = 1.0 / max(max_len, 1)
     out = torch.zeros(T, H, D, dtype=torch.float32)
-    n_m = math.ceil(max_len / BLOCK_M)
+    n_m = math.ceil(max_len / block_m)
     for b in range(offsets.numel() - 1):
         start, seq_len = int(offsets[b]), int(offsets[b + 1] - offsets[b])
         for h in range(H):
             for pid1 in range(n_m):
-                m0 = (n_m - 1 - pid1) * BLOCK_M
+                m0 = (n_m - 1 - pid1) * block_m
                 if not m0 < seq_len:
                     continue
 
@@ -191,18 +194,18 @@ def emulate(q, k, v, offsets, block_n: int, activation: str):
                     return t
 
                 n_full = m0 // block_n
-                n_tiles = min(n_full + BLOCK_M // block_n, -(-seq_len // block_n))
+                n_tiles = min(n_full + block_m // block_n, -(-seq_len // block_n))
                 ring_k, ring_v = [None] * stages, [None] * stages
                 ring_k[0], ring_v[0] = tile(k, 0), tile(v, 0)
                 ring_k[1], ring_v[1] = tile(k, block_n), tile(v, block_n)
-                rows = torch.arange(m0, m0 + BLOCK_M)
-                qt = torch.zeros(BLOCK_M, D)
+                rows = torch.arange(m0, m0 + block_m)
+                qt = torch.zeros(block_m, D)
                 ok = rows < seq_len
                 qt[ok] = q[start + rows[ok], h].float()
                 s = qt @ ring_k[0].T
-                acc = torch.zeros(BLOCK_M, D)
-                m_i = torch.full((BLOCK_M,), float("-inf"))
-                l_i = torch.zeros(BLOCK_M)
+                acc = torch.zeros(block_m, D)
+                m_i = torch.full((block_m,), float("-inf"))
+                l_i = torch.zeros(block_m)
                 for j in range(n_tiles):
                     stage = j % stages
                     if j + 2 < n_tiles:
@@ -234,7 +237,7 @@ def emulate(q, k, v, offsets, block_n: int, activation: str):
 
 
 def check_emulation() -> int:
-    """The schedule against gemcore's reference on a CPU: both activations, both key tiles."""
+    """The schedule against gemcore's reference on a CPU: both activations, every variant."""
     import torch
 
     from gemcore.kernels.jagged_attention_reference import jagged_attention_reference
@@ -247,15 +250,15 @@ def check_emulation() -> int:
     for activation in ("softmax", "silu"):
         want = jagged_attention_reference(q.double(), k.double(), v.double(), offsets, causal=True,
                                           activation=activation).float()
-        for block_n in sorted(STAGES_FOR):
-            got = emulate(q, k, v, offsets, block_n, activation)
+        for variant in VARIANTS:
+            got = emulate(q, k, v, offsets, variant, activation)
             err = ((got - want).norm() / want.norm()).item()
-            print(f"emulated schedule, {activation}, key tile {block_n}: relative error {err:.2e}")
+            print(f"emulated schedule, {activation}, {variant}: relative error {err:.2e}")
             failed |= not err < 1e-2
     return int(failed)
 
 
-def compile_only(block_n: int, silu: bool) -> None:
+def compile_only(variant: str, silu: bool) -> None:
     """AOT-compile for sm_90 (no GPU needed) and print registers and spills per thread."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -267,11 +270,12 @@ def compile_only(block_n: int, silu: bool) -> None:
            "SILU": "constexpr"}
     # what a JIT launch specialises: pointers and the two strides divisible by 16 (16-byte rows)
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(8)}
-    src = GluonASTSource(_gluon_attn_fwd, sig, constexprs={"BLOCK_M": BLOCK_M, "BLOCK_N": block_n,
-                                                           "HEAD_D": HEAD_D, "STAGES": STAGES_FOR[block_n],
+    block_m, block_n, stages, warps = VARIANTS[variant]
+    src = GluonASTSource(_gluon_attn_fwd, sig, constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n,
+                                                           "HEAD_D": HEAD_D, "STAGES": stages,
                                                            "SILU": silu},
                          attrs=aligned)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     wgmma = sum("wgmma.mma_async" in line for line in kernel.asm["ptx"].splitlines())
     # registers and spills from ptxas itself (the loaded-kernel counters need a GPU)
     import re
@@ -287,13 +291,13 @@ def compile_only(block_n: int, silu: bool) -> None:
                               capture_output=True, text=True).stderr
     regs = re.search(r"Used (\d+) registers", info)
     spills = re.search(r"(\d+) bytes spill stores", info)
-    print(f"triton {triton.__version__}, {'silu' if silu else 'softmax'}, key tile {block_n}: compiled for sm_90, "
+    print(f"triton {triton.__version__}, {'silu' if silu else 'softmax'}, {variant}: compiled for sm_90, "
           f"{regs.group(1) if regs else '?'} registers, "
           f"{spills.group(1) if spills else '?'} B spill stores, {kernel.metadata.shared} B shared, "
           f"{wgmma} wgmma in the PTX")
 
 
-def run_on_gpu(block_n: int) -> int:
+def run_on_gpu(variant: str) -> int:
     """Per activation (softmax, silu with HSTU's norm = max_seqlen): parity against gemcore's
     reference on jagged lengths, then the forward's GPU time on dense95 and heavytail beside
     gemcore's Triton kernel in the same process. Returns 1 if any parity check fails."""
@@ -304,17 +308,19 @@ def run_on_gpu(block_n: int) -> int:
     from gemcore.kernels import jagged_attention
     from gemcore.kernels.jagged_attention_reference import jagged_attention_reference
 
+    block_m, block_n, stages, warps = VARIANTS[variant]
+
     def launch(q, k, v, offsets, max_len, activation):
         T, H, D = q.shape
         out = torch.empty_like(q)
         lse2 = torch.empty(T, H, device=q.device, dtype=torch.float32)
         silu = activation == "silu"
         scale = 1 / math.sqrt(D)
-        grid = (offsets.numel() - 1) * H, math.ceil(max_len / BLOCK_M)
+        grid = (offsets.numel() - 1) * H, math.ceil(max_len / block_m)
         _gluon_attn_fwd[grid](q, k, v, out, lse2, offsets, q.stride(0), q.stride(1), H,
                               scale if silu else scale * 1.4426950408889634, 1.0 / max_len,
-                              BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_D=HEAD_D,
-                              STAGES=STAGES_FOR[block_n], SILU=silu, num_warps=NUM_WARPS)
+                              BLOCK_M=block_m, BLOCK_N=block_n, HEAD_D=HEAD_D,
+                              STAGES=stages, SILU=silu, num_warps=warps)
         return out
 
     failed = 0
@@ -327,7 +333,7 @@ def run_on_gpu(block_n: int) -> int:
         want = jagged_attention_reference(q.double(), k.double(), v.double(), offsets, causal=True,
                                           activation=activation).float()
         err = ((got - want).norm() / want.norm()).item()
-        print(f"{activation}, key tile {block_n}: parity: relative error {err:.2e} (bf16: expect < 1e-2)")
+        print(f"{activation}, {variant}: parity: relative error {err:.2e} (bf16: expect < 1e-2)")
         if not err < 1e-2:
             failed = 1
             continue
@@ -351,16 +357,16 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--emulate", action="store_true", help="check the schedule in PyTorch on a CPU")
-    ap.add_argument("--block-n", type=int, choices=sorted(STAGES_FOR), nargs="+", default=sorted(STAGES_FOR))
+    ap.add_argument("--variant", choices=sorted(VARIANTS), nargs="+", default=list(VARIANTS))
     args = ap.parse_args()
     if args.emulate:
         return check_emulation()
     if args.compile_only:
         for silu in (False, True):
-            for block_n in args.block_n:
-                compile_only(block_n, silu)
+            for variant in args.variant:
+                compile_only(variant, silu)
         return 0
-    return max(run_on_gpu(block_n) for block_n in args.block_n)
+    return max(run_on_gpu(variant) for variant in args.variant)
 
 
 if __name__ == "__main__":
