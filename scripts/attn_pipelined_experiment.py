@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gemcore.bench.attention import useful_fwd_flops, workload_lengths
+from attn_experiment_harness import sweep, workload_inputs  # the module beside this script
 from gemcore.bench.timing import median_ms
 from gemcore.kernels import jagged_attention
 from gemcore.kernels.jagged_attention_triton_common import _act
@@ -126,18 +126,8 @@ def main() -> None:
     deadline = time.time() + float(sys.argv[1] if len(sys.argv) > 1 else 300)
     tiles = [(128, 32, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2)]
     for workload, act in (("dense95", "softmax"), ("dense95", "silu"), ("heavytail", "softmax")):
-        lengths, _ = workload_lengths(workload)
-        torch.manual_seed(0)
-        H, D = 4, 128
-        T = int(lengths.sum())
-        q, k, v = (torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64, device="cuda")
-        offsets[1:] = lengths.cumsum(0).cuda()
-        max_len = int(lengths.max())
-        flops = useful_fwd_flops(lengths, None, H, D, causal=True)
-        kw = dict(activation=act, causal=True, backend="triton", max_seqlen=max_len, validate=False)
-        if act != "softmax":
-            kw.update(scale=1.0 / D, norm=max_len)
+        q, k, v, offsets, max_len, flops, kw = workload_inputs(workload, act)
+        kw["validate"] = False
         ref = jagged_attention(q, k, v, offsets, **kw)
         cur_ms = median_ms(lambda: jagged_attention(q, k, v, offsets, **kw))
         print(f"{workload} {act} gemcore kernel: {flops / cur_ms / 1e9:.0f} TFLOP/s", flush=True)
@@ -147,22 +137,10 @@ def main() -> None:
             ms = median_ms(lambda: varlen_attn(q, k, v, off32, off32, max_len, max_len,
                                                window_size=(-1, 0)))
             print(f"{workload} varlen_attn: {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
-        for tile, pipe in itertools.product(tiles, (False, True)):
-            if time.time() > deadline:
-                print("deadline reached", flush=True)
-                return
-            if workload == "heavytail" and tile[1] == 128 and tile[3] == 2:
-                continue
-            cfg = (*tile, pipe)
-            try:
-                fn = run_variant(q, k, v, offsets, max_len, act, cfg)
-                out = fn()
-                torch.cuda.synchronize()
-                err = (out.float() - ref.float()).abs().max().item()
-                ms = median_ms(fn)
-                print(f"  {cfg}: {flops / ms / 1e9:.0f} TFLOP/s  max|diff| {err:.2e}", flush=True)
-            except Exception as exc:  # a variant that does not compile here
-                print(f"  {cfg}: failed {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+        configs = [(*tile, pipe) for tile, pipe in itertools.product(tiles, (False, True))
+                   if not (workload == "heavytail" and tile[1] == 128 and tile[3] == 2)]
+        if not sweep(configs, lambda cfg: run_variant(q, k, v, offsets, max_len, act, cfg), ref, flops, deadline):
+            return
         cur_ms = median_ms(lambda: jagged_attention(q, k, v, offsets, **kw))
         print(f"{workload} {act} gemcore kernel again: {flops / cur_ms / 1e9:.0f} TFLOP/s", flush=True)
 

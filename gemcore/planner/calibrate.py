@@ -142,6 +142,8 @@ def _tiny_step_s(heads: int, blocks: int, backend: str, device: str, dtype: torc
     """Seconds of one train step (loss, backward, clipping, AdamW) of a ``blocks``-block GemModel
     of width 2·heads on one user with one history event and one candidate: host work only. With
     ``mesh``: wrapped in FSDP2 the way the run is, gemcore's clipping, the loss all-reduced."""
+    import torch.distributed as dist
+
     from gemcore.config import AttentionConfig, ModelConfig
     from gemcore.data.dataset import JaggedBatch
     from gemcore.kernels.jagged_attention import make_attention
@@ -159,24 +161,19 @@ def _tiny_step_s(heads: int, blocks: int, backend: str, device: str, dtype: torc
     batch = JaggedBatch(item_ids=z, actions=z, time_buckets=z, offsets=off, cand_ids=z,
                         cand_offsets=off, labels=torch.zeros(1, device=device), max_len=2, sum_sq_len=4)
 
+    clip = torch.nn.utils.clip_grad_norm_ if mesh is None else clip_grad_norm_
+
     def step():
         loss = model.loss(batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        if mesh is None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        else:
-            clip_grad_norm_(model.parameters(), 1.0)
+        clip(model.parameters(), 1.0)
         opt.step()
         if mesh is not None:
-            import torch.distributed as dist
-
             dist.all_reduce(loss.detach())
 
     if mesh is None:
         return _timed(step, repeats=21)
-    import torch.distributed as dist
-
     dist.barrier()
     return _timed(step, repeats=21, budget_s=0.0)   # the same call count on every rank
 

@@ -11,7 +11,7 @@ network tiers above the node::
     gpus_per_node = 8
     inter_node_gbps = 50          # one 400 Gb/s NIC per GPU
     power_limit_w = 500           # GPUs capped below their TDP (optional)
-    kernels = "eager"             # unfused PyTorch (optional: fused | eager | compiled-blocks)
+    kernels = "eager"             # unfused PyTorch (optional: a KERNEL_STACKS name)
     [[cluster.tiers]]             # a group inside one pod gets the full NIC rate
     name = "pod"
     gpus = 3072

@@ -44,7 +44,7 @@ class Estimate:
     plan: Plan
     memory: dict[str, float]          #: parameters, gradients, optimizer, activations
     memory_limit: float
-    memory_peak: float                #: bytes per GPU at the step's peak (see :func:`peak_memory`)
+    memory_total: float               #: bytes per GPU at the step's peak, what must fit (:func:`peak_memory`)
     compute_s: float
     comm_exposed_s: dict[str, float]  #: per mesh dimension (+ embedding, pp p2p)
     bubble_s: float
@@ -58,11 +58,6 @@ class Estimate:
     inter_node: list[str]
     notes: list[str] = field(default_factory=list)
     host_overhead_s: float = 0.0      #: size-independent host time counted in the step (calibrated)
-
-    @property
-    def memory_total(self) -> float:
-        """Peak bytes per GPU (what must fit)."""
-        return self.memory_peak
 
     @property
     def fits(self) -> bool:
@@ -474,7 +469,7 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
                    + 3.0 * model.num_heads * (model.qk_head_dim + model.value_head_dim) * L * B * mean_sq)
     inside, across = placement(plan, cluster)
     return Estimate(plan=plan, memory=memory, memory_limit=MEMORY_HEADROOM * cluster.hbm_bytes,
-                    memory_peak=peak_memory(memory, accumulates=n_mb > 1 or pp > 1),
+                    memory_total=peak_memory(memory, accumulates=n_mb > 1 or pp > 1),
                     compute_s=compute_total, comm_exposed_s={k: t for k, t in comm.items() if t},
                     bubble_s=bubble, step_time_s=step, tokens_per_step=tokens_step,
                     model_flops_per_step=model_flops, num_gpus=cluster.gpus, peak_flops=cluster.peak_flops,
@@ -498,8 +493,6 @@ def _gemm_shape_factor(smallest_dim: float) -> float:
     return smallest_dim / (smallest_dim + 64.0)
 
 
-__all__ = ["Estimate", "estimate", "peak_memory", "training_state_bytes", "activation_elements", "sac_recomputed_matmuls",
-           "residual_only_outputs",
-           "elementwise_elements",
-           "eager_elementwise_bytes", "ring_time",
-           "all_to_all_time", "placement", "MEMORY_HEADROOM"]
+__all__ = ["Estimate", "estimate", "peak_memory", "training_state_bytes", "activation_elements",
+           "sac_recomputed_matmuls", "residual_only_outputs", "rope_heads", "elementwise_elements",
+           "eager_elementwise_bytes", "ring_time", "all_to_all_time", "placement", "MEMORY_HEADROOM"]
