@@ -303,7 +303,8 @@ def run_on_gpu(variant: str) -> int:
     gemcore's Triton kernel in the same process. Returns 1 if any parity check fails."""
     import torch
 
-    from gemcore.bench.attention import GPU_TIME_SPACER_CYCLES, useful_fwd_flops, workload_lengths
+    from attn_experiment_harness import workload_inputs  # the module beside this script
+    from gemcore.bench.attention import GPU_TIME_SPACER_CYCLES
     from gemcore.bench.timing import median_ms
     from gemcore.kernels import jagged_attention
     from gemcore.kernels.jagged_attention_reference import jagged_attention_reference
@@ -338,11 +339,7 @@ def run_on_gpu(variant: str) -> int:
             failed = 1
             continue
         for workload in ("dense95", "heavytail"):
-            lens, _ = workload_lengths(workload)
-            offsets = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).cuda()
-            q, k, v = (torch.randn(int(lens.sum()), 4, HEAD_D, device="cuda", dtype=torch.bfloat16)
-                       for _ in range(3))
-            flops, max_len = useful_fwd_flops(lens, None, 4, HEAD_D, True), int(lens.max())
+            q, k, v, offsets, max_len, flops, _ = workload_inputs(workload, activation, D=HEAD_D)
             timing = dict(launch_hidden=True, spacer_cycles=GPU_TIME_SPACER_CYCLES)
             ms_gluon = median_ms(lambda: launch(q, k, v, offsets, max_len, activation), **timing)
             ms_triton = median_ms(lambda: jagged_attention(
