@@ -9,6 +9,7 @@ max_seqlen) run inside the forward op, so they are not traced.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -145,11 +146,34 @@ def _common(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale
     return q_off, kv_off, nt, B, H, nq_pooled, inv_norm, flags, max_q
 
 
+@functools.lru_cache(maxsize=1)
+def _hopper_forward():
+    """gemcore.kernels.jagged_attention_gluon, or None where this Triton has no Gluon Hopper ops."""
+    try:
+        from gemcore.kernels import jagged_attention_gluon
+    except (ImportError, AttributeError):
+        return None
+    return jagged_attention_gluon
+
+
+def forward_kernel(q, k, v, offsets, kv_offsets=None, num_targets=None, window_left: int = -1,
+                   window_right: int = -1) -> str:
+    """Which forward the Triton backend runs on these inputs: "gluon-hopper" or "triton"."""
+    hopper = _hopper_forward() if q.is_cuda else None
+    if hopper is not None and hopper.gluon_forward_applies(q, k, v, offsets, kv_offsets, num_targets,
+                                                           window_left, window_right):
+        return "gluon-hopper"
+    return "triton"
+
+
 def _fwd(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, norm,
          window_left, window_right, max_seqlen):
     q_off, kv_off, nt, B, H, nq_pooled, inv_norm, flags, max_q = _common(
         q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, norm, window_left,
         window_right, max_seqlen)
+    if forward_kernel(q, k, v, offsets, kv_offsets, num_targets, window_left, window_right) == "gluon-hopper":
+        return _hopper_forward().jagged_attention_fwd_hopper(q, k, v, q_off, activation, causal, scale, inv_norm,
+                                                  max_seqlen)
     rows = B * nq_pooled if offsets is None else q.shape[0]
     out = q.new_empty(rows, H, v.shape[2])
     lse2 = torch.empty(rows if activation == "softmax" else 0, H, device=q.device,

@@ -12,8 +12,10 @@ every row, gemcore and anchors alike, on the GPU alone (``timing.median_ms``'s s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -236,8 +238,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    """Environment variable ``name`` set to ``value`` inside the block, restored after."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
 def run(args: argparse.Namespace) -> int:
     from gemcore.kernels import jagged_attention
+    from gemcore.kernels.jagged_attention_triton import forward_kernel
 
     if not torch.cuda.is_available():
         print("gem bench attention needs a CUDA GPU")
@@ -266,8 +283,13 @@ def run(args: argparse.Namespace) -> int:
         kw = dict(kv_offsets=kv_off if cross else None, activation=act, causal=causal,
                   max_seqlen=max(q_max, kv_max), backend="triton")
         # as the model calls it: offsets valid by construction, no host sync (varlen_attn's terms)
-        rows.append(measure(f"gemcore {act}", lambda kw=kw: jagged_attention(
+        fwd = forward_kernel(q, k, v, q_off, kw["kv_offsets"])
+        rows.append(measure(f"gemcore {act} ({fwd} fwd)", lambda kw=kw: jagged_attention(
             q, k, v, q_off, validate=False, **kw), (q, k, v), flops, args.iters, args.gpu_time))
+        if fwd != "triton":                       # the Triton forward beside it, same run
+            with _env("GEMCORE_GLUON_ATTENTION", "0"):
+                rows.append(measure(f"gemcore {act} (triton fwd)", lambda kw=kw: jagged_attention(
+                    q, k, v, q_off, validate=False, **kw), (q, k, v), flops, args.iters, args.gpu_time))
         if args.validated:
             rows.append(measure(f"gemcore {act}, offsets checked (1 sync)", lambda kw=kw: jagged_attention(
                 q, k, v, q_off, **kw), (q, k, v), flops, args.iters, args.gpu_time))

@@ -1,0 +1,303 @@
+"""Hopper forward of jagged self-attention in Gluon (Triton's low-level dialect), warp-specialized
+as FlashAttention-3 describes it; the backward stays with the Triton kernels, which read this
+forward's output and base-2 log-sum-exp in the same layout.
+
+One CTA per (sequence, head, 128 query rows), heaviest query tiles first:
+- a producer warp loads the query tile once and key/value tiles of ``BLOCK_N`` rows through TMA
+  into a ring of ``STAGES`` slots, signalled by mbarriers (keys and values separately);
+- two consumer warpgroups own 64 query rows each and share the ring (a slot is free once both
+  have released it); they are otherwise unsynchronized, so one's activation overlaps the other's
+  wgmmas;
+- inside a consumer, Q·K_{j+1}ᵀ and P_j·V_j go out as asynchronous wgmmas and tile j+1's
+  activation runs while P_j·V_j is on the tensor cores.
+
+TMA reads whole tiles: rows past a sequence's end belong to the next sequence (zeros past T), and
+meet only masked scores or masked stores. Scope (:func:`unsupported_reason` says what is not
+covered; the Triton forward takes those): self-attention, causal or full, every activation,
+bf16 / fp16, head dim 64 or 128 for q, k and v, no targets or window, contiguous (T, H, D).
+Needs an sm_90 GPU and a Triton with Gluon's Hopper ops (3.6 and 3.9 checked).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from gemcore.kernels.jagged_attention_triton_common import ACTIVATION_CODES
+
+# Triton 3.6 names the TMA load async_copy_global_to_shared; later versions async_load
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+BLOCK_M = 128                    #: query rows per CTA: two consumer warpgroups of 64
+BLOCK_N = 64                     #: key rows per tile (the H200 measurement: 64 beat 128, see kernels.md)
+STAGES = 4                       #: K/V ring slots
+_BLOCK_M = gl.constexpr(BLOCK_M)
+_CONSUMER_REGS, _PRODUCER_REGS = gl.constexpr(240), gl.constexpr(24)
+#: per-thread register cap of the whole kernel: two consumer warpgroups and the producer's share
+#: the SM's 64 Ki registers; the default partition gets what the workers leave
+MAXNREG = 168
+#: the Triton forward is kept for short histories (mean length below this): measured on the H200,
+#: the Gluon forward lost 12 % on heavytail (mean 494) for silu and tied for softmax
+MIN_MEAN_LEN = 512
+HEAD_DIMS = (64, 128)
+_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+@gluon.jit
+def _tanh_fast(x):
+    """Hardware tanh (one MUFU op, ~2^-11 absolute error: below 16-bit rounding)."""
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _pointwise(x, ACTIVATION: gl.constexpr):
+    """act(x) of the non-softmax activations, codes as ACTIVATION_CODES (x float32)."""
+    if ACTIVATION == 1:                            # silu: x sigmoid(x), sigmoid(x) = (1 + tanh(x/2)) / 2
+        y = x * (0.5 + 0.5 * _tanh_fast(0.5 * x))
+    elif ACTIVATION == 2:                          # gelu, erf form
+        y = 0.5 * x * (1.0 + gl.erf(x * 0.7071067811865476))
+    elif ACTIVATION == 3:                          # gelu, tanh form
+        y = 0.5 * x * (1.0 + _tanh_fast(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+    elif ACTIVATION == 4:
+        y = gl.maximum(x, 0.0)
+    elif ACTIVATION == 5:
+        r = gl.maximum(x, 0.0)
+        y = r * r
+    else:
+        y = x
+    return y
+
+
+@gluon.jit
+def _activate(s, j, rows, seq_len, m_i, l_i, n_full, qk_scale, ACTIVATION: gl.constexpr,
+              CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """Scores (64, BLOCK_N) of key tile j -> (p, m_i, l_i, alpha). Softmax: online, base 2
+    (``qk_scale`` = scale·log2 e; alpha rescales the accumulator). Others: act(scale·s), masked
+    (``qk_scale`` = scale; m_i, l_i, alpha unused). Tiles from n_full on are masked: key <= query
+    (causal) or key < seq_len (full)."""
+    s = s * qk_scale
+    keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    if CAUSAL:
+        allowed = keys[None, :] <= rows[:, None]
+    else:
+        allowed = (keys < seq_len)[None, :] & (rows >= 0)[:, None]
+    if ACTIVATION == 0:
+        if j >= n_full:
+            s = gl.where(allowed, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        p = gl.exp2(s - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+    else:
+        p = _pointwise(s, ACTIVATION)
+        if j >= n_full:
+            p = gl.where(allowed, p, 0.0)
+        alpha = m_i
+    return p, m_i, l_i, alpha
+
+
+@gluon.jit
+def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty,
+              O, LSE2, start, seq_len, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles,
+              ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr):
+    """One warpgroup: query rows [m0 + 64·wg, m0 + 64·wg + 64) against key tiles 0..n_tiles-1."""
+    WG_M: gl.constexpr = _BLOCK_M // 2
+    STAGES: gl.constexpr = k_ring.type.shape[0]
+    BLOCK_N: gl.constexpr = k_ring.type.shape[1]
+    D: gl.constexpr = k_ring.type.shape[2]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    q_w = q_smem.index(wg)
+    rows = m0 + wg * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
+    zeros_s = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
+
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    s = warpgroup_mma(q_w, k_ring.index(0).permute((1, 0)), zeros_s, use_acc=False)
+    m_i = gl.full([WG_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([WG_M], gl.float32, gl.SliceLayout(1, s_layout))
+    p, m_i, l_i, alpha = _activate(s, 0, rows, seq_len, m_i, l_i, n_full, qk_scale, ACTIVATION,
+                                   CAUSAL, BLOCK_N, s_layout)
+    acc = gl.zeros([WG_M, D], gl.float32, o_layout)
+    for j in range(n_tiles - 1):
+        nxt = j + 1
+        mbarrier.wait(k_ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+        s_tok = warpgroup_mma(q_w, k_ring.index(nxt % STAGES).permute((1, 0)), zeros_s,
+                              use_acc=False, is_async=True)
+        stage = j % STAGES
+        mbarrier.wait(v_ready.index(stage), (j // STAGES) & 1)
+        o_tok = warpgroup_mma(gl.convert_layout(p.to(k_ring.dtype), p_layout), v_ring.index(stage), acc,
+                              is_async=True)
+        s = warpgroup_mma_wait(1, deps=[s_tok])    # Q·K_{j+1}ᵀ is done; P_j·V_j may still run ...
+        p, m_i, l_i, alpha = _activate(s, nxt, rows, seq_len, m_i, l_i, n_full, qk_scale, ACTIVATION,
+                                       CAUSAL, BLOCK_N, s_layout)   # ... under tile j+1's activation
+        acc = warpgroup_mma_wait(0, deps=[o_tok])
+        mbarrier.arrive(kv_empty.index(stage), count=1)
+        if ACTIVATION == 0:
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    last = n_tiles - 1
+    mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+    acc = warpgroup_mma(gl.convert_layout(p.to(k_ring.dtype), p_layout), v_ring.index(last % STAGES), acc)
+    mbarrier.arrive(kv_empty.index(last % STAGES), count=1)
+
+    o_rows = m0 + wg * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    if ACTIVATION == 0:
+        acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+        gl.store(LSE2 + (start + rows) * H + h, m_i + gl.log2(l_i), mask=rows < seq_len)
+    else:
+        acc = acc * inv_norm
+    gl.store(O + h * D + (start + o_rows)[:, None] * stride_t + cols[None, :],
+             acc.to(O.dtype.element_ty), mask=(o_rows < seq_len)[:, None])
+
+
+@gluon.jit
+def _second_consumer(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty, q_desc, k_desc, v_desc,
+                     O, LSE2, start, seq_len, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles,
+                     ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr):
+    """Worker partition: the consumer of query rows 64..127 (workers share one signature)."""
+    _consumer(1, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty, O, LSE2, start, seq_len,
+              m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles, ACTIVATION, CAUSAL)
+
+
+@gluon.jit
+def _producer(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty, q_desc, k_desc, v_desc,
+              O, LSE2, start, seq_len, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles,
+              ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr):
+    """Worker partition, one warp: TMA loads of both query halves, then key/value tiles."""
+    STAGES: gl.constexpr = k_ring.type.shape[0]
+    BLOCK_N: gl.constexpr = k_ring.type.shape[1]
+    D: gl.constexpr = k_ring.type.shape[2]
+    col = h * D
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    _tma_load(q_desc, [start + m0, col], q_bar, q_smem.index(0))
+    _tma_load(q_desc, [start + m0 + _BLOCK_M // 2, col], q_bar, q_smem.index(1))
+    for j in range(n_tiles):
+        stage = j % STAGES
+        mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)   # fresh barriers: passes
+        row = start + j * BLOCK_N
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        _tma_load(k_desc, [row, col], k_ready.index(stage), k_ring.index(stage))
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        _tma_load(v_desc, [row, col], v_ready.index(stage), v_ring.index(stage))
+
+
+@gluon.jit
+def _jagged_attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE2, offsets, stride_t, H, qk_scale, inv_norm,
+                            STAGES: gl.constexpr, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr):
+    """Grid (B·H, cdiv(max_len, 128)), heaviest query tiles first. Descriptors over the (T, H·D)
+    views, blocks (64, D) for q and (BLOCK_N, D) for k and v; O (T, H, D) contiguous; LSE2 (T, H)
+    float32, softmax only."""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    gl.static_assert(_BLOCK_M % BLOCK_N == 0)
+    pid_bh = gl.program_id(0)
+    b = pid_bh // H
+    h = pid_bh % H
+    m0 = (gl.num_programs(1) - 1 - gl.program_id(1)) * _BLOCK_M
+    start = gl.load(offsets + b).to(gl.int32)
+    seq_len = gl.load(offsets + b + 1).to(gl.int32) - start
+    if m0 < seq_len:
+        if CAUSAL:
+            n_full = m0 // BLOCK_N                 # wholly visible key tiles, then the diagonal's
+            n_tiles = gl.minimum(n_full + _BLOCK_M // BLOCK_N, gl.cdiv(seq_len, BLOCK_N))
+        else:
+            n_full = seq_len // BLOCK_N            # whole key tiles, then the sequence's last part
+            n_tiles = gl.cdiv(seq_len, BLOCK_N)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)     # both consumers release a slot
+        # the argument tuples are written out: a tuple bound to a name first loses its constexprs
+        gl.warp_specialize([
+            (_consumer, (0, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty, O, LSE2, start,
+                         seq_len, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles,
+                         ACTIVATION, CAUSAL)),
+            (_second_consumer, (q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty, q_desc, k_desc,
+                                v_desc, O, LSE2, start, seq_len, m0, h, H, stride_t, qk_scale, inv_norm,
+                                n_full, n_tiles, ACTIVATION, CAUSAL)),
+            (_producer, (q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty, q_desc, k_desc,
+                         v_desc, O, LSE2, start, seq_len, m0, h, H, stride_t, qk_scale, inv_norm,
+                         n_full, n_tiles, ACTIVATION, CAUSAL)),
+        ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+
+
+# --------------------------------------------------------------------------- host side
+def unsupported_reason(q, k, v, offsets, kv_offsets, num_targets, window_left: int,
+                       window_right: int) -> str | None:
+    """Why this forward cannot take these inputs (None: it can), device aside."""
+    if offsets is None or kv_offsets is not None:
+        return "cross or pooled attention"
+    if num_targets is not None or window_left >= 0 or window_right >= 0:
+        return "targets or a window"
+    if q.dtype not in _DTYPES or not (q.dtype == k.dtype == v.dtype):
+        return f"dtype {q.dtype} (bf16 / fp16 only)"
+    D = q.shape[2]
+    if D not in HEAD_DIMS or k.shape[2] != D or v.shape[2] != D:
+        return f"head dims {q.shape[2]}/{k.shape[2]}/{v.shape[2]} (one of {HEAD_DIMS} for all three)"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not x.is_contiguous() or x.data_ptr() % 16:
+            return f"{name} not contiguous and 16-byte aligned"
+    return None
+
+
+def gluon_forward_applies(q, k, v, offsets, kv_offsets, num_targets, window_left: int,
+                          window_right: int) -> bool:
+    """Whether the Triton backend's forward should run here: an sm_90 GPU, inputs in scope, a
+    mean history of at least MIN_MEAN_LEN, and GEMCORE_GLUON_ATTENTION not set to 0."""
+    if os.environ.get("GEMCORE_GLUON_ATTENTION", "1") == "0" or not q.is_cuda:
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    if unsupported_reason(q, k, v, offsets, kv_offsets, num_targets, window_left, window_right):
+        return False
+    return q.shape[0] >= MIN_MEAN_LEN * (offsets.numel() - 1)
+
+
+def _descriptors(q, k, v):
+    """TMA descriptors over the (T, H·D) views: q in (64, D) blocks, k and v in (BLOCK_N, D)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    T, H, D = q.shape
+    descs = []
+    for x, rows in ((q, BLOCK_M // 2), (k, BLOCK_N), (v, BLOCK_N)):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, D], _DTYPES[x.dtype])
+        descs.append(TensorDescriptor.from_tensor(x.view(x.shape[0], H * D), [rows, D], layout))
+    return descs
+
+
+def jagged_attention_fwd_hopper(q, k, v, offsets, activation: str, causal: bool, scale: float,
+                                inv_norm: float, max_seqlen: int):
+    """(out (T, H, D) in q's dtype, lse2 (T, H) float32 base-2 log-sum-exp, empty (0, H) unless
+    softmax), as the Triton forward returns them. Inputs as :func:`unsupported_reason` accepts;
+    offsets (B+1,) int64 on the GPU."""
+    T, H, D = q.shape
+    B = offsets.numel() - 1
+    out = torch.empty_like(q)
+    softmax = activation == "softmax"
+    lse2 = torch.empty(T if softmax else 0, H, device=q.device, dtype=torch.float32)
+    n_m_tiles = math.ceil(max_seqlen / BLOCK_M)
+    if B * H == 0 or n_m_tiles == 0 or T == 0:
+        return out, lse2
+    qk_scale = scale * 1.4426950408889634 if softmax else scale
+    _jagged_attn_fwd_hopper[(B * H, n_m_tiles)](
+        *_descriptors(q, k, v), out, lse2, offsets, q.stride(0), H, qk_scale, inv_norm,
+        STAGES=STAGES, ACTIVATION=ACTIVATION_CODES[activation], CAUSAL=bool(causal),
+        num_warps=4, maxnreg=MAXNREG)
+    return out, lse2

@@ -1,0 +1,128 @@
+"""The Hopper (Gluon) forward of jagged self-attention.
+
+Everywhere: which inputs it takes, and that it compiles for sm_90 with the installed Triton (no GPU
+needed: Triton compiles ahead of time and ships ptxas). On an sm_90 GPU: its output and log-sum-exp
+against the float64 reference, and the gradients of the full op (Triton backward over this
+forward's output) when the Triton backend picks it.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+gluon_attention = pytest.importorskip("gemcore.kernels.jagged_attention_gluon",
+                                      reason="this Triton has no Gluon Hopper ops")
+
+from gemcore.kernels import jagged_attention  # noqa: E402
+from gemcore.kernels.jagged_attention_reference import jagged_attention_reference  # noqa: E402
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100 / H200)")
+ACTIVATIONS = ["softmax", "silu", "gelu", "gelu_tanh", "relu", "relu2", "identity"]
+# tile borders of the 128-row query tiles and 64-row key tiles, empty and length-1 sequences
+LENGTHS = [0, 1, 2, 63, 64, 65, 127, 128, 129, 300, 1000, 2048, 5]
+
+
+def _inputs(lengths, H, D, dtype, device="cuda", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    offsets = torch.nn.functional.pad(torch.tensor(lengths, device=device).cumsum(0), (1, 0))
+    q, k, v = (torch.randn(sum(lengths), H, D, generator=g, device=device).to(dtype) for _ in range(3))
+    return q, k, v, offsets
+
+
+def _rel_err(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def test_scope_names_what_it_does_not_take():
+    q, k, v, offsets = _inputs([3, 5], 2, 128, torch.bfloat16, device="cpu")
+    reason = gluon_attention.unsupported_reason
+    assert reason(q, k, v, offsets, None, None, -1, -1) is None
+    assert reason(q, k, v, offsets, offsets, None, -1, -1) == "cross or pooled attention"
+    assert reason(q, k, v, None, offsets, None, -1, -1) == "cross or pooled attention"
+    assert reason(q, k, v, offsets, None, torch.tensor([1, 1]), -1, -1) == "targets or a window"
+    assert reason(q, k, v, offsets, None, None, 16, -1) == "targets or a window"
+    assert "dtype" in reason(q.float(), k.float(), v.float(), offsets, None, None, -1, -1)
+    assert "head dims" in reason(q[..., :96], k[..., :96], v[..., :96], offsets, None, None, -1, -1)
+    assert "head dims" in reason(q, k, v[..., :64], offsets, None, None, -1, -1)
+    assert reason(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, offsets, None, None,
+                  -1, -1) == "q not contiguous and 16-byte aligned"
+    # on a CPU, or with the switch off, the Triton forward runs
+    assert not gluon_attention.gluon_forward_applies(q, k, v, offsets, None, None, -1, -1)
+
+
+@pytest.mark.parametrize("activation,causal,dtype,head_dim", [
+    ("softmax", True, torch.bfloat16, 128), ("gelu", False, torch.float16, 64)])
+def test_compiles_for_sm90_with_the_installed_triton(activation, causal, dtype, head_dim):
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    x = torch.zeros(256, 4, head_dim, dtype=dtype)
+    descs = gluon_attention._descriptors(x, x, x)
+    signature = {"q_desc": mangle_type(descs[0]), "k_desc": mangle_type(descs[1]),
+                 "v_desc": mangle_type(descs[2]), "O": "*bf16" if dtype == torch.bfloat16 else "*fp16",
+                 "LSE2": "*fp32", "offsets": "*i64", "stride_t": "i32", "H": "i32", "qk_scale": "fp32",
+                 "inv_norm": "fp32", "STAGES": "constexpr", "ACTIVATION": "constexpr", "CAUSAL": "constexpr"}
+    constexprs = {"STAGES": gluon_attention.STAGES, "CAUSAL": causal,
+                  "ACTIVATION": gluon_attention.ACTIVATION_CODES[activation]}
+    src = GluonASTSource(gluon_attention._jagged_attn_fwd_hopper, signature, constexprs=constexprs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4, "maxnreg": gluon_attention.MAXNREG})
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
+    assert kernel.metadata.shared <= 227 * 1024        # an H100 / H200 SM's shared memory
+
+
+@needs_hopper
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 128), (torch.float16, 64)])
+def test_forward_matches_the_float64_reference(activation, causal, dtype, head_dim):
+    q, k, v, offsets = _inputs(LENGTHS, 4, head_dim, dtype)
+    scale, max_len = head_dim ** -0.5, max(LENGTHS)
+    out, lse2 = gluon_attention.jagged_attention_fwd_hopper(
+        q, k, v, offsets, activation, causal, scale, 1.0 / max_len, max_len)
+    want = jagged_attention_reference(q.double(), k.double(), v.double(), offsets, causal=causal,
+                                      activation=activation)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert _rel_err(out, want) < 1e-2, _rel_err(out, want)
+    if activation == "softmax":                        # base-2 log-sum-exp of the scaled scores
+        scores = torch.zeros(q.shape[0], 4, dtype=torch.float64, device="cuda")
+        for b in range(len(LENGTHS)):
+            s, e = int(offsets[b]), int(offsets[b + 1])
+            qk = torch.einsum("ihd,jhd->hij", q[s:e].double(), k[s:e].double()) * scale
+            if causal:
+                qk = qk.masked_fill(torch.ones(e - s, e - s, dtype=torch.bool, device="cuda").triu(1),
+                                    float("-inf"))
+            scores[s:e] = torch.logsumexp(qk, -1).T / torch.log(torch.tensor(2.0, dtype=torch.float64))
+        assert torch.allclose(lse2.double(), scores, atol=2e-2, rtol=0)
+    else:
+        assert lse2.numel() == 0
+
+
+@needs_hopper
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_the_triton_backend_takes_it_and_gradients_match(activation, monkeypatch):
+    calls = []
+    real = gluon_attention.jagged_attention_fwd_hopper
+    monkeypatch.setattr(gluon_attention, "jagged_attention_fwd_hopper",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    lengths = [2048, 1500, 700, 1, 0, 129]             # mean above MIN_MEAN_LEN
+    q, k, v = (x.requires_grad_() for x in _inputs(lengths, 4, 128, torch.bfloat16)[:3])
+    offsets = _inputs(lengths, 4, 128, torch.bfloat16)[3]
+    kw = dict(activation=activation, causal=True)
+    got = jagged_attention(q, k, v, offsets, backend="triton", **kw)
+    assert calls, "the Triton backend did not pick the Hopper forward"
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    want = jagged_attention(q64, k64, v64, offsets, backend="reference", **kw)
+    assert _rel_err(got, want) < 1e-2
+    grad = torch.randn_like(want)
+    for name, a, b in zip("qkv", torch.autograd.grad(got, (q, k, v), grad.to(got.dtype)),
+                          torch.autograd.grad(want, (q64, k64, v64), grad)):
+        assert _rel_err(a, b) < 2e-2, ("d" + name, _rel_err(a, b))
+    monkeypatch.setenv("GEMCORE_GLUON_ATTENTION", "0")
+    calls.clear()
+    jagged_attention(q, k, v, offsets, backend="triton", **kw)
+    assert not calls
