@@ -118,11 +118,11 @@ def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready,
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     q_w = q_smem.index(wg)
     rows = m0 + wg * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
-    zeros_s = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
 
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(k_ready.index(0), 0)
-    s = warpgroup_mma(q_w, k_ring.index(0).permute((1, 0)), zeros_s, use_acc=False)
+    s = warpgroup_mma(q_w, k_ring.index(0).permute((1, 0)), gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout),
+                      use_acc=False)
     m_i = gl.full([WG_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([WG_M], gl.float32, gl.SliceLayout(1, s_layout))
     p, m_i, l_i, alpha = _activate(s, 0, rows, seq_len, m_i, l_i, n_full, qk_scale, ACTIVATION,
@@ -131,8 +131,10 @@ def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready,
     for j in range(n_tiles - 1):
         nxt = j + 1
         mbarrier.wait(k_ready.index(nxt % STAGES), (nxt // STAGES) & 1)
-        s_tok = warpgroup_mma(q_w, k_ring.index(nxt % STAGES).permute((1, 0)), zeros_s,
-                              use_acc=False, is_async=True)
+        # (the zeros made here, not hoisted: a loop-carried zero tile would hold BLOCK_N / 2
+        # registers per thread for nothing)
+        s_tok = warpgroup_mma(q_w, k_ring.index(nxt % STAGES).permute((1, 0)),
+                              gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
         stage = j % STAGES
         mbarrier.wait(v_ready.index(stage), (j // STAGES) & 1)
         o_tok = warpgroup_mma(gl.convert_layout(p.to(k_ring.dtype), p_layout), v_ring.index(stage), acc,
@@ -270,23 +272,25 @@ def gluon_forward_applies(q, k, v, offsets, kv_offsets, num_targets, window_left
     return q.shape[0] >= MIN_MEAN_LEN * (offsets.numel() - 1)
 
 
-def _descriptors(q, k, v):
-    """TMA descriptors over the (T, H·D) views: q in (64, D) blocks, k and v in (BLOCK_N, D)."""
+def _descriptors(q, k, v, block_n: int = BLOCK_N):
+    """TMA descriptors over the (T, H·D) views: q in (64, D) blocks, k and v in (block_n, D)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     T, H, D = q.shape
     descs = []
-    for x, rows in ((q, BLOCK_M // 2), (k, BLOCK_N), (v, BLOCK_N)):
+    for x, rows in ((q, BLOCK_M // 2), (k, block_n), (v, block_n)):
         layout = gl.NVMMASharedLayout.get_default_for([rows, D], _DTYPES[x.dtype])
         descs.append(TensorDescriptor.from_tensor(x.view(x.shape[0], H * D), [rows, D], layout))
     return descs
 
 
 def jagged_attention_fwd_hopper(q, k, v, offsets, activation: str, causal: bool, scale: float,
-                                inv_norm: float, max_seqlen: int):
+                                inv_norm: float, max_seqlen: int, *, block_n: int = BLOCK_N,
+                                stages: int = STAGES):
     """(out (T, H, D) in q's dtype, lse2 (T, H) float32 base-2 log-sum-exp, empty (0, H) unless
     softmax), as the Triton forward returns them. Inputs as :func:`unsupported_reason` accepts;
-    offsets (B+1,) int64 on the GPU."""
+    offsets (B+1,) int64 on the GPU. ``block_n`` (64 or 128) and ``stages``: the key tile and
+    ring depth, for experiments; shared memory must hold 2·64·D + 2·stages·block_n·D elements."""
     T, H, D = q.shape
     B = offsets.numel() - 1
     out = torch.empty_like(q)
@@ -297,7 +301,7 @@ def jagged_attention_fwd_hopper(q, k, v, offsets, activation: str, causal: bool,
         return out, lse2
     qk_scale = scale * 1.4426950408889634 if softmax else scale
     _jagged_attn_fwd_hopper[(B * H, n_m_tiles)](
-        *_descriptors(q, k, v), out, lse2, offsets, q.stride(0), H, qk_scale, inv_norm,
-        STAGES=STAGES, ACTIVATION=ACTIVATION_CODES[activation], CAUSAL=bool(causal),
+        *_descriptors(q, k, v, block_n), out, lse2, offsets, q.stride(0), H, qk_scale, inv_norm,
+        STAGES=stages, ACTIVATION=ACTIVATION_CODES[activation], CAUSAL=bool(causal),
         num_warps=4, maxnreg=MAXNREG)
     return out, lse2
