@@ -33,16 +33,20 @@ from gemcore.kernels.jagged_attention_triton_common import ACTIVATION_CODES
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 BLOCK_M = 128                    #: query rows per CTA: two consumer warpgroups of 64
-BLOCK_N = 64                     #: key rows per tile (the H200 measurement: 64 beat 128, see kernels.md)
-STAGES = 4                       #: K/V ring slots
+#: activation kind -> (key rows per tile, K/V ring slots), from the H200 sweep
+#: (scripts/gluon_fwd_sweep.py; docs/benchmarks.md): softmax 128 x 3 (404 against 379 TFLOP/s for
+#: 64 x 4 on dense95), the pointwise activations 64 x 4 (412 against 403 for 128 x 3)
+TILES = {"softmax": (128, 3), "pointwise": (64, 4)}
+BLOCK_N, STAGES = TILES["pointwise"]
 _BLOCK_M = gl.constexpr(BLOCK_M)
 _CONSUMER_REGS, _PRODUCER_REGS = gl.constexpr(240), gl.constexpr(24)
 #: per-thread register cap of the whole kernel: two consumer warpgroups and the producer's share
 #: the SM's 64 Ki registers; the default partition gets what the workers leave
 MAXNREG = 168
-#: the Triton forward is kept for short histories (mean length below this): measured on the H200,
-#: the Gluon forward lost 12 % on heavytail (mean 494) for silu and tied for softmax
-MIN_MEAN_LEN = 512
+#: the Triton forward is kept for short histories: mean length below these, per activation kind.
+#: Measured on the H200 at mean 494 (heavytail): softmax +5 % here, silu -8 %; at mean 1945 (dense95)
+#: both gain. The thresholds between and below those points are not measured.
+MIN_MEAN_LEN = {"softmax": 256, "pointwise": 512}
 HEAD_DIMS = (64, 128)
 _DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -259,8 +263,12 @@ def unsupported_reason(q, k, v, offsets, kv_offsets, num_targets, window_left: i
     return None
 
 
+def _kind(activation: str) -> str:
+    return "softmax" if activation == "softmax" else "pointwise"
+
+
 def gluon_forward_applies(q, k, v, offsets, kv_offsets, num_targets, window_left: int,
-                          window_right: int) -> bool:
+                          window_right: int, activation: str) -> bool:
     """Whether the Triton backend's forward should run here: an sm_90 GPU, inputs in scope, a
     mean history of at least MIN_MEAN_LEN, and GEMCORE_GLUON_ATTENTION not set to 0."""
     if os.environ.get("GEMCORE_GLUON_ATTENTION", "1") == "0" or not q.is_cuda:
@@ -269,7 +277,7 @@ def gluon_forward_applies(q, k, v, offsets, kv_offsets, num_targets, window_left
         return False
     if unsupported_reason(q, k, v, offsets, kv_offsets, num_targets, window_left, window_right):
         return False
-    return q.shape[0] >= MIN_MEAN_LEN * (offsets.numel() - 1)
+    return q.shape[0] >= MIN_MEAN_LEN[_kind(activation)] * (offsets.numel() - 1)
 
 
 def _descriptors(q, k, v, block_n: int = BLOCK_N):
@@ -285,13 +293,16 @@ def _descriptors(q, k, v, block_n: int = BLOCK_N):
 
 
 def jagged_attention_fwd_hopper(q, k, v, offsets, activation: str, causal: bool, scale: float,
-                                inv_norm: float, max_seqlen: int, *, block_n: int = BLOCK_N,
-                                stages: int = STAGES):
+                                inv_norm: float, max_seqlen: int, *, block_n: int | None = None,
+                                stages: int | None = None):
     """(out (T, H, D) in q's dtype, lse2 (T, H) float32 base-2 log-sum-exp, empty (0, H) unless
     softmax), as the Triton forward returns them. Inputs as :func:`unsupported_reason` accepts;
     offsets (B+1,) int64 on the GPU. ``block_n`` (64 or 128) and ``stages``: the key tile and
-    ring depth, for experiments; shared memory must hold 2·64·D + 2·stages·block_n·D elements."""
+    ring depth, for experiments (default: TILES); shared memory must hold 2·64·D +
+    2·stages·block_n·D elements."""
     T, H, D = q.shape
+    tile_n, tile_stages = TILES[_kind(activation)]
+    block_n, stages = block_n or tile_n, stages or tile_stages
     B = offsets.numel() - 1
     out = torch.empty_like(q)
     softmax = activation == "softmax"

@@ -157,11 +157,11 @@ def _hopper_forward():
 
 
 def forward_kernel(q, k, v, offsets, kv_offsets=None, num_targets=None, window_left: int = -1,
-                   window_right: int = -1) -> str:
+                   window_right: int = -1, activation: str = "softmax") -> str:
     """Which forward the Triton backend runs on these inputs: "gluon-hopper" or "triton"."""
     hopper = _hopper_forward() if q.is_cuda else None
     if hopper is not None and hopper.gluon_forward_applies(q, k, v, offsets, kv_offsets, num_targets,
-                                                           window_left, window_right):
+                                                           window_left, window_right, activation):
         return "gluon-hopper"
     return "triton"
 
@@ -171,7 +171,8 @@ def _fwd(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, n
     q_off, kv_off, nt, B, H, nq_pooled, inv_norm, flags, max_q = _common(
         q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, norm, window_left,
         window_right, max_seqlen)
-    if forward_kernel(q, k, v, offsets, kv_offsets, num_targets, window_left, window_right) == "gluon-hopper":
+    if forward_kernel(q, k, v, offsets, kv_offsets, num_targets, window_left, window_right,
+                      activation) == "gluon-hopper":
         return _hopper_forward().jagged_attention_fwd_hopper(q, k, v, q_off, activation, causal, scale, inv_norm,
                                                   max_seqlen)
     rows = B * nq_pooled if offsets is None else q.shape[0]

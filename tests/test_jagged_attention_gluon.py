@@ -49,7 +49,7 @@ def test_scope_names_what_it_does_not_take():
     assert reason(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, offsets, None, None,
                   -1, -1) == "q not contiguous and 16-byte aligned"
     # on a CPU, or with the switch off, the Triton forward runs
-    assert not gluon_attention.gluon_forward_applies(q, k, v, offsets, None, None, -1, -1)
+    assert not gluon_attention.gluon_forward_applies(q, k, v, offsets, None, None, -1, -1, "softmax")
 
 
 @pytest.mark.parametrize("activation,causal,dtype,head_dim", [
@@ -59,13 +59,14 @@ def test_compiles_for_sm90_with_the_installed_triton(activation, causal, dtype, 
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
+    block_n, stages = gluon_attention.TILES["softmax" if activation == "softmax" else "pointwise"]
     x = torch.zeros(256, 4, head_dim, dtype=dtype)
-    descs = gluon_attention._descriptors(x, x, x)
+    descs = gluon_attention._descriptors(x, x, x, block_n)
     signature = {"q_desc": mangle_type(descs[0]), "k_desc": mangle_type(descs[1]),
                  "v_desc": mangle_type(descs[2]), "O": "*bf16" if dtype == torch.bfloat16 else "*fp16",
                  "LSE2": "*fp32", "offsets": "*i64", "stride_t": "i32", "H": "i32", "qk_scale": "fp32",
                  "inv_norm": "fp32", "STAGES": "constexpr", "ACTIVATION": "constexpr", "CAUSAL": "constexpr"}
-    constexprs = {"STAGES": gluon_attention.STAGES, "CAUSAL": causal,
+    constexprs = {"STAGES": stages, "CAUSAL": causal,
                   "ACTIVATION": gluon_attention.ACTIVATION_CODES[activation]}
     src = GluonASTSource(gluon_attention._jagged_attn_fwd_hopper, signature, constexprs=constexprs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -126,3 +127,16 @@ def test_the_triton_backend_takes_it_and_gradients_match(activation, monkeypatch
     calls.clear()
     jagged_attention(q, k, v, offsets, backend="triton", **kw)
     assert not calls
+
+
+@needs_hopper
+@pytest.mark.parametrize("tile", sorted(set(gluon_attention.TILES.values())))
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_every_tile_in_use_is_right_for_both_kinds(tile, activation):
+    q, k, v, offsets = _inputs(LENGTHS, 2, 128, torch.bfloat16, seed=1)
+    block_n, stages = tile
+    out, _ = gluon_attention.jagged_attention_fwd_hopper(
+        q, k, v, offsets, activation, True, 128 ** -0.5, 1.0 / 2048, 2048, block_n=block_n, stages=stages)
+    want = jagged_attention_reference(q.double(), k.double(), v.double(), offsets, causal=True,
+                                      activation=activation)
+    assert _rel_err(out, want) < 1e-2
