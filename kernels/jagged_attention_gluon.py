@@ -13,8 +13,9 @@ One CTA per (sequence, head, 128 query rows), heaviest query tiles first:
 
 TMA reads whole tiles: rows past a sequence's end belong to the next sequence (zeros past T), and
 meet only masked scores or masked stores. Scope (:func:`unsupported_reason` says what is not
-covered; the Triton forward takes those): self-attention, causal or full, every activation,
-bf16 / fp16, head dim 64 or 128 for q, k and v, no targets or window, contiguous (T, H, D).
+covered; the Triton forward takes those): self-attention, causal (with or without targets) or
+full, every activation, bf16 / fp16, head dim 64 or 128 for q, k and v, no window; q, k, v with
+heads packed in rows (contiguous, or views of a fused qkv projection).
 Needs an sm_90 GPU and a Triton with Gluon's Hopper ops (3.6 and 3.9 checked).
 """
 from __future__ import annotations
@@ -78,24 +79,26 @@ def _pointwise(x, ACTIVATION: gl.constexpr):
 
 
 @gluon.jit
-def _activate(s, j, rows, seq_len, m_i, l_i, n_full, qk_scale, ACTIVATION: gl.constexpr,
+def _activate(s, j, rows, seq_len, history, m_i, l_i, n_full, qk_scale, ACTIVATION: gl.constexpr,
               CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """Scores (64, BLOCK_N) of key tile j -> (p, m_i, l_i, alpha). Softmax: online, base 2
     (``qk_scale`` = scale·log2 e; alpha rescales the accumulator). Others: act(scale·s), masked
-    (``qk_scale`` = scale; m_i, l_i, alpha unused). Tiles from n_full on are masked: key <= query
-    (causal) or key < seq_len (full)."""
+    (``qk_scale`` = scale; m_i, l_i, alpha unused). Tiles from n_full on are masked: causal, key
+    <= query and (key < history or key == query): rows from ``history`` on are candidates (without
+    targets history = seq_len, and the second term always holds); full, key < seq_len."""
     s = s * qk_scale
     keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     if CAUSAL:
-        allowed = keys[None, :] <= rows[:, None]
+        allowed = (keys[None, :] <= rows[:, None]) & ((keys < history)[None, :] | (keys[None, :] == rows[:, None]))
     else:
         allowed = (keys < seq_len)[None, :] & (rows >= 0)[:, None]
     if ACTIVATION == 0:
         if j >= n_full:
             s = gl.where(allowed, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
-        p = gl.exp2(s - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)   # a candidate's rows before itself
+        p = gl.exp2(s - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
         l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
     else:
@@ -108,7 +111,7 @@ def _activate(s, j, rows, seq_len, m_i, l_i, n_full, qk_scale, ACTIVATION: gl.co
 
 @gluon.jit
 def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty,
-              O, LSE2, start, seq_len, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles,
+              O, LSE2, start, seq_len, history, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles,
               ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr):
     """One warpgroup: query rows [m0 + 64·wg, m0 + 64·wg + 64) against key tiles 0..n_tiles-1."""
     WG_M: gl.constexpr = _BLOCK_M // 2
@@ -129,7 +132,7 @@ def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready,
                       use_acc=False)
     m_i = gl.full([WG_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([WG_M], gl.float32, gl.SliceLayout(1, s_layout))
-    p, m_i, l_i, alpha = _activate(s, 0, rows, seq_len, m_i, l_i, n_full, qk_scale, ACTIVATION,
+    p, m_i, l_i, alpha = _activate(s, 0, rows, seq_len, history, m_i, l_i, n_full, qk_scale, ACTIVATION,
                                    CAUSAL, BLOCK_N, s_layout)
     acc = gl.zeros([WG_M, D], gl.float32, o_layout)
     for j in range(n_tiles - 1):
@@ -144,7 +147,7 @@ def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready,
         o_tok = warpgroup_mma(gl.convert_layout(p.to(k_ring.dtype), p_layout), v_ring.index(stage), acc,
                               is_async=True)
         s = warpgroup_mma_wait(1, deps=[s_tok])    # Q·K_{j+1}ᵀ is done; P_j·V_j may still run ...
-        p, m_i, l_i, alpha = _activate(s, nxt, rows, seq_len, m_i, l_i, n_full, qk_scale, ACTIVATION,
+        p, m_i, l_i, alpha = _activate(s, nxt, rows, seq_len, history, m_i, l_i, n_full, qk_scale, ACTIVATION,
                                        CAUSAL, BLOCK_N, s_layout)   # ... under tile j+1's activation
         acc = warpgroup_mma_wait(0, deps=[o_tok])
         mbarrier.arrive(kv_empty.index(stage), count=1)
@@ -168,16 +171,16 @@ def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready,
 
 @gluon.jit
 def _second_consumer(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty, q_desc, k_desc, v_desc,
-                     O, LSE2, start, seq_len, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles,
+                     O, LSE2, start, seq_len, history, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles,
                      ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr):
     """Worker partition: the consumer of query rows 64..127 (workers share one signature)."""
     _consumer(1, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty, O, LSE2, start, seq_len,
-              m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles, ACTIVATION, CAUSAL)
+              history, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles, ACTIVATION, CAUSAL)
 
 
 @gluon.jit
 def _producer(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty, q_desc, k_desc, v_desc,
-              O, LSE2, start, seq_len, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles,
+              O, LSE2, start, seq_len, history, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles,
               ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr):
     """Worker partition, one warp: TMA loads of both query halves, then key/value tiles."""
     STAGES: gl.constexpr = k_ring.type.shape[0]
@@ -198,11 +201,12 @@ def _producer(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty, q_desc,
 
 
 @gluon.jit
-def _jagged_attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE2, offsets, stride_t, H, qk_scale, inv_norm,
-                            STAGES: gl.constexpr, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr):
+def _jagged_attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE2, offsets, num_targets, stride_t, H, qk_scale,
+                            inv_norm, STAGES: gl.constexpr, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
+                            HAS_TARGETS: gl.constexpr):
     """Grid (B·H, cdiv(max_len, 128)), heaviest query tiles first. Descriptors over the (T, H·D)
     views, blocks (64, D) for q and (BLOCK_N, D) for k and v; O (T, H, D) contiguous; LSE2 (T, H)
-    float32, softmax only."""
+    float32, softmax only; num_targets (B,) int64, read only when HAS_TARGETS (causal)."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     gl.static_assert(_BLOCK_M % BLOCK_N == 0)
     pid_bh = gl.program_id(0)
@@ -211,9 +215,13 @@ def _jagged_attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE2, offsets, stride_t, 
     m0 = (gl.num_programs(1) - 1 - gl.program_id(1)) * _BLOCK_M
     start = gl.load(offsets + b).to(gl.int32)
     seq_len = gl.load(offsets + b + 1).to(gl.int32) - start
+    history = seq_len
+    if HAS_TARGETS:
+        history = seq_len - gl.load(num_targets + b).to(gl.int32)
     if m0 < seq_len:
         if CAUSAL:
-            n_full = m0 // BLOCK_N                 # wholly visible key tiles, then the diagonal's
+            # wholly visible key tiles (before the diagonal and before the candidates), then the rest
+            n_full = gl.minimum(m0, history) // BLOCK_N
             n_tiles = gl.minimum(n_full + _BLOCK_M // BLOCK_N, gl.cdiv(seq_len, BLOCK_N))
         else:
             n_full = seq_len // BLOCK_N            # whole key tiles, then the sequence's last part
@@ -233,33 +241,37 @@ def _jagged_attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE2, offsets, stride_t, 
         # the argument tuples are written out: a tuple bound to a name first loses its constexprs
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty, O, LSE2, start,
-                         seq_len, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles,
+                         seq_len, history, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles,
                          ACTIVATION, CAUSAL)),
             (_second_consumer, (q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty, q_desc, k_desc,
-                                v_desc, O, LSE2, start, seq_len, m0, h, H, stride_t, qk_scale, inv_norm,
+                                v_desc, O, LSE2, start, seq_len, history, m0, h, H, stride_t, qk_scale, inv_norm,
                                 n_full, n_tiles, ACTIVATION, CAUSAL)),
             (_producer, (q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty, q_desc, k_desc,
-                         v_desc, O, LSE2, start, seq_len, m0, h, H, stride_t, qk_scale, inv_norm,
+                         v_desc, O, LSE2, start, seq_len, history, m0, h, H, stride_t, qk_scale, inv_norm,
                          n_full, n_tiles, ACTIVATION, CAUSAL)),
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
 # --------------------------------------------------------------------------- host side
-def unsupported_reason(q, k, v, offsets, kv_offsets, num_targets, window_left: int,
+def unsupported_reason(q, k, v, offsets, kv_offsets, num_targets, causal: bool, window_left: int,
                        window_right: int) -> str | None:
     """Why this forward cannot take these inputs (None: it can), device aside."""
     if offsets is None or kv_offsets is not None:
         return "cross or pooled attention"
-    if num_targets is not None or window_left >= 0 or window_right >= 0:
-        return "targets or a window"
+    if window_left >= 0 or window_right >= 0:
+        return "a window"
+    if num_targets is not None and not causal:
+        return "targets without causal"
     if q.dtype not in _DTYPES or not (q.dtype == k.dtype == v.dtype):
         return f"dtype {q.dtype} (bf16 / fp16 only)"
     D = q.shape[2]
     if D not in HEAD_DIMS or k.shape[2] != D or v.shape[2] != D:
         return f"head dims {q.shape[2]}/{k.shape[2]}/{v.shape[2]} (one of {HEAD_DIMS} for all three)"
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not x.is_contiguous() or x.data_ptr() % 16:
-            return f"{name} not contiguous and 16-byte aligned"
+        # TMA: rows of H·D contiguous elements, 16-byte aligned start and row stride (a view of
+        # a fused qkv projection qualifies)
+        if x.stride(2) != 1 or x.stride(1) != D or x.data_ptr() % 16 or (x.stride(0) * x.element_size()) % 16:
+            return f"{name}'s heads not packed rows with 16-byte aligned start and row stride"
     return None
 
 
@@ -267,7 +279,7 @@ def _kind(activation: str) -> str:
     return "softmax" if activation == "softmax" else "pointwise"
 
 
-def gluon_forward_applies(q, k, v, offsets, kv_offsets, num_targets, window_left: int,
+def gluon_forward_applies(q, k, v, offsets, kv_offsets, num_targets, causal: bool, window_left: int,
                           window_right: int, activation: str) -> bool:
     """Whether the Triton backend's forward should run here: an sm_90 GPU, inputs in scope, a
     mean history of at least MIN_MEAN_LEN, and GEMCORE_GLUON_ATTENTION not set to 0."""
@@ -275,29 +287,30 @@ def gluon_forward_applies(q, k, v, offsets, kv_offsets, num_targets, window_left
         return False
     if torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
-    if unsupported_reason(q, k, v, offsets, kv_offsets, num_targets, window_left, window_right):
+    if unsupported_reason(q, k, v, offsets, kv_offsets, num_targets, causal, window_left, window_right):
         return False
     return q.shape[0] >= MIN_MEAN_LEN[_kind(activation)] * (offsets.numel() - 1)
 
 
 def _descriptors(q, k, v, block_n: int = BLOCK_N):
-    """TMA descriptors over the (T, H·D) views: q in (64, D) blocks, k and v in (block_n, D)."""
+    """TMA descriptors over the (T, H·D) row views (row stride x.stride(0)): q in (64, D) blocks,
+    k and v in (block_n, D)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     T, H, D = q.shape
     descs = []
     for x, rows in ((q, BLOCK_M // 2), (k, block_n), (v, block_n)):
         layout = gl.NVMMASharedLayout.get_default_for([rows, D], _DTYPES[x.dtype])
-        descs.append(TensorDescriptor.from_tensor(x.view(x.shape[0], H * D), [rows, D], layout))
+        descs.append(TensorDescriptor(x, [x.shape[0], H * D], [x.stride(0), 1], [rows, D], layout))
     return descs
 
 
 def jagged_attention_fwd_hopper(q, k, v, offsets, activation: str, causal: bool, scale: float,
-                                inv_norm: float, max_seqlen: int, *, block_n: int | None = None,
+                                inv_norm: float, max_seqlen: int, num_targets=None, *, block_n: int | None = None,
                                 stages: int | None = None):
     """(out (T, H, D) in q's dtype, lse2 (T, H) float32 base-2 log-sum-exp, empty (0, H) unless
     softmax), as the Triton forward returns them. Inputs as :func:`unsupported_reason` accepts;
-    offsets (B+1,) int64 on the GPU. ``block_n`` (64 or 128) and ``stages``: the key tile and
+    offsets (B+1,) int64 and num_targets (B,) int64 (causal only) on the GPU. ``block_n`` (64 or 128) and ``stages``: the key tile and
     ring depth, for experiments (default: TILES); shared memory must hold 2·64·D +
     2·stages·block_n·D elements."""
     T, H, D = q.shape
@@ -312,7 +325,9 @@ def jagged_attention_fwd_hopper(q, k, v, offsets, activation: str, causal: bool,
         return out, lse2
     qk_scale = scale * 1.4426950408889634 if softmax else scale
     _jagged_attn_fwd_hopper[(B * H, n_m_tiles)](
-        *_descriptors(q, k, v, block_n), out, lse2, offsets, q.stride(0), H, qk_scale, inv_norm,
+        *_descriptors(q, k, v, block_n), out, lse2, offsets,
+        offsets if num_targets is None else num_targets, out.stride(0), H, qk_scale, inv_norm,
         STAGES=stages, ACTIVATION=ACTIVATION_CODES[activation], CAUSAL=bool(causal),
+        HAS_TARGETS=num_targets is not None,
         num_warps=4, maxnreg=MAXNREG)
     return out, lse2

@@ -156,11 +156,11 @@ def _hopper_forward():
     return jagged_attention_gluon
 
 
-def forward_kernel(q, k, v, offsets, kv_offsets=None, num_targets=None, window_left: int = -1,
-                   window_right: int = -1, activation: str = "softmax") -> str:
+def forward_kernel(q, k, v, offsets, kv_offsets=None, num_targets=None, causal: bool = True,
+                   window_left: int = -1, window_right: int = -1, activation: str = "softmax") -> str:
     """Which forward the Triton backend runs on these inputs: "gluon-hopper" or "triton"."""
     hopper = _hopper_forward() if q.is_cuda else None
-    if hopper is not None and hopper.gluon_forward_applies(q, k, v, offsets, kv_offsets, num_targets,
+    if hopper is not None and hopper.gluon_forward_applies(q, k, v, offsets, kv_offsets, num_targets, causal,
                                                            window_left, window_right, activation):
         return "gluon-hopper"
     return "triton"
@@ -171,10 +171,11 @@ def _fwd(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, n
     q_off, kv_off, nt, B, H, nq_pooled, inv_norm, flags, max_q = _common(
         q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, norm, window_left,
         window_right, max_seqlen)
-    if forward_kernel(q, k, v, offsets, kv_offsets, num_targets, window_left, window_right,
+    if forward_kernel(q, k, v, offsets, kv_offsets, num_targets, causal, window_left, window_right,
                       activation) == "gluon-hopper":
-        return _hopper_forward().jagged_attention_fwd_hopper(q, k, v, q_off, activation, causal, scale, inv_norm,
-                                                  max_seqlen)
+        return _hopper_forward().jagged_attention_fwd_hopper(
+            q, k, v, q_off, activation, causal, scale, inv_norm, max_seqlen,
+            None if num_targets is None else nt)
     rows = B * nq_pooled if offsets is None else q.shape[0]
     out = q.new_empty(rows, H, v.shape[2])
     lse2 = torch.empty(rows if activation == "softmax" else 0, H, device=q.device,

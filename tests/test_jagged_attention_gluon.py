@@ -37,19 +37,26 @@ def _rel_err(a, b) -> float:
 
 def test_scope_names_what_it_does_not_take():
     q, k, v, offsets = _inputs([3, 5], 2, 128, torch.bfloat16, device="cpu")
-    reason = gluon_attention.unsupported_reason
-    assert reason(q, k, v, offsets, None, None, -1, -1) is None
-    assert reason(q, k, v, offsets, offsets, None, -1, -1) == "cross or pooled attention"
-    assert reason(q, k, v, None, offsets, None, -1, -1) == "cross or pooled attention"
-    assert reason(q, k, v, offsets, None, torch.tensor([1, 1]), -1, -1) == "targets or a window"
-    assert reason(q, k, v, offsets, None, None, 16, -1) == "targets or a window"
-    assert "dtype" in reason(q.float(), k.float(), v.float(), offsets, None, None, -1, -1)
-    assert "head dims" in reason(q[..., :96], k[..., :96], v[..., :96], offsets, None, None, -1, -1)
-    assert "head dims" in reason(q, k, v[..., :64], offsets, None, None, -1, -1)
-    assert reason(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, offsets, None, None,
-                  -1, -1) == "q not contiguous and 16-byte aligned"
+    targets = torch.tensor([1, 1])
+
+    def reason(q=q, k=k, v=v, offsets=offsets, kv_offsets=None, num_targets=None, causal=True,
+               window=(-1, -1)):
+        return gluon_attention.unsupported_reason(q, k, v, offsets, kv_offsets, num_targets, causal, *window)
+
+    assert reason() is None and reason(causal=False) is None and reason(num_targets=targets) is None
+    assert reason(kv_offsets=offsets) == reason(offsets=None, kv_offsets=offsets) == "cross or pooled attention"
+    assert reason(window=(16, -1)) == reason(window=(-1, 0)) == "a window"
+    assert reason(num_targets=targets, causal=False) == "targets without causal"
+    assert "dtype" in reason(q.float(), k.float(), v.float())
+    assert "head dims" in reason(q[..., :96], k[..., :96], v[..., :96])
+    assert "head dims" in reason(v=v[..., :64])
+    # views of a fused qkv projection are taken; a head-major layout is not
+    qkv = torch.zeros(8, 3, 2, 128, dtype=torch.bfloat16)
+    assert reason(*qkv.unbind(1)) is None
+    head_major = q.transpose(0, 1).contiguous().transpose(0, 1)
+    assert reason(head_major).startswith("q's heads not packed rows")
     # on a CPU, or with the switch off, the Triton forward runs
-    assert not gluon_attention.gluon_forward_applies(q, k, v, offsets, None, None, -1, -1, "softmax")
+    assert not gluon_attention.gluon_forward_applies(q, k, v, offsets, None, None, True, -1, -1, "softmax")
 
 
 @pytest.mark.parametrize("activation,causal,dtype,head_dim", [
@@ -64,9 +71,10 @@ def test_compiles_for_sm90_with_the_installed_triton(activation, causal, dtype, 
     descs = gluon_attention._descriptors(x, x, x, block_n)
     signature = {"q_desc": mangle_type(descs[0]), "k_desc": mangle_type(descs[1]),
                  "v_desc": mangle_type(descs[2]), "O": "*bf16" if dtype == torch.bfloat16 else "*fp16",
-                 "LSE2": "*fp32", "offsets": "*i64", "stride_t": "i32", "H": "i32", "qk_scale": "fp32",
-                 "inv_norm": "fp32", "STAGES": "constexpr", "ACTIVATION": "constexpr", "CAUSAL": "constexpr"}
-    constexprs = {"STAGES": stages, "CAUSAL": causal,
+                 "LSE2": "*fp32", "offsets": "*i64", "num_targets": "*i64", "stride_t": "i32", "H": "i32",
+                 "qk_scale": "fp32", "inv_norm": "fp32", "STAGES": "constexpr", "ACTIVATION": "constexpr",
+                 "CAUSAL": "constexpr", "HAS_TARGETS": "constexpr"}
+    constexprs = {"STAGES": stages, "CAUSAL": causal, "HAS_TARGETS": causal,
                   "ACTIVATION": gluon_attention.ACTIVATION_CODES[activation]}
     src = GluonASTSource(gluon_attention._jagged_attn_fwd_hopper, signature, constexprs=constexprs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -140,3 +148,22 @@ def test_every_tile_in_use_is_right_for_both_kinds(tile, activation):
     want = jagged_attention_reference(q.double(), k.double(), v.double(), offsets, causal=True,
                                       activation=activation)
     assert _rel_err(out, want) < 1e-2
+
+
+@needs_hopper
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_targets_and_fused_qkv_views(activation):
+    """Candidates (the last n tokens of a sequence; one sequence all candidates) on views of a
+    fused qkv projection, as the model calls it."""
+    lengths = [300, 1, 129, 0, 2048, 64, 5]
+    targets = torch.tensor([30, 1, 0, 0, 200, 64, 5], device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(2)
+    qkv = torch.randn(sum(lengths), 3, 4, 128, generator=g, device="cuda").to(torch.bfloat16)
+    q, k, v = qkv.unbind(1)
+    offsets = torch.nn.functional.pad(torch.tensor(lengths, device="cuda").cumsum(0), (1, 0))
+    assert gluon_attention.unsupported_reason(q, k, v, offsets, None, targets, True, -1, -1) is None
+    out, _ = gluon_attention.jagged_attention_fwd_hopper(
+        q, k, v, offsets, activation, True, 128 ** -0.5, 1.0 / 2048, 2048, targets)
+    want = jagged_attention_reference(q.double(), k.double(), v.double(), offsets, causal=True,
+                                      activation=activation, num_targets=targets)
+    assert _rel_err(out, want) < 1e-2, _rel_err(out, want)

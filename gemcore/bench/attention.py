@@ -283,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
         kw = dict(kv_offsets=kv_off if cross else None, activation=act, causal=causal,
                   max_seqlen=max(q_max, kv_max), backend="triton")
         # as the model calls it: offsets valid by construction, no host sync (varlen_attn's terms)
-        fwd = forward_kernel(q, k, v, q_off, kw["kv_offsets"], activation=act)
+        fwd = forward_kernel(q, k, v, q_off, kw["kv_offsets"], causal=causal, activation=act)
         rows.append(measure(f"gemcore {act} ({fwd} fwd)", lambda kw=kw: jagged_attention(
             q, k, v, q_off, validate=False, **kw), (q, k, v), flops, args.iters, args.gpu_time))
         if fwd != "triton":                       # the Triton forward beside it, same run
