@@ -89,7 +89,8 @@ def _activate(s, j, rows, seq_len, history, m_i, l_i, n_full, qk_scale, ACTIVATI
     s = s * qk_scale
     keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     if CAUSAL:
-        allowed = (keys[None, :] <= rows[:, None]) & ((keys < history)[None, :] | (keys[None, :] == rows[:, None]))
+        allowed = ((keys[None, :] <= rows[:, None])
+                   & ((keys < history)[None, :] | (keys[None, :] == rows[:, None])))
     else:
         allowed = (keys < seq_len)[None, :] & (rows >= 0)[:, None]
     if ACTIVATION == 0:
@@ -270,7 +271,8 @@ def unsupported_reason(q, k, v, offsets, kv_offsets, num_targets, causal: bool, 
     for name, x in (("q", q), ("k", k), ("v", v)):
         # TMA: rows of H·D contiguous elements, 16-byte aligned start and row stride (a view of
         # a fused qkv projection qualifies)
-        if x.stride(2) != 1 or x.stride(1) != D or x.data_ptr() % 16 or (x.stride(0) * x.element_size()) % 16:
+        row_bytes = x.stride(0) * x.element_size()
+        if x.stride(2) != 1 or x.stride(1) != D or x.data_ptr() % 16 or row_bytes % 16:
             return f"{name}'s heads not packed rows with 16-byte aligned start and row stride"
     return None
 
@@ -306,18 +308,18 @@ def _descriptors(q, k, v, block_n: int = BLOCK_N):
 
 
 def jagged_attention_fwd_hopper(q, k, v, offsets, activation: str, causal: bool, scale: float,
-                                inv_norm: float, max_seqlen: int, num_targets=None, *, block_n: int | None = None,
-                                stages: int | None = None):
-    """(out (T, H, D) in q's dtype, lse2 (T, H) float32 base-2 log-sum-exp, empty (0, H) unless
-    softmax), as the Triton forward returns them. Inputs as :func:`unsupported_reason` accepts;
-    offsets (B+1,) int64 and num_targets (B,) int64 (causal only) on the GPU. ``block_n`` (64 or 128) and ``stages``: the key tile and
-    ring depth, for experiments (default: TILES); shared memory must hold 2·64·D +
-    2·stages·block_n·D elements."""
+                                inv_norm: float, max_seqlen: int, num_targets=None, *,
+                                block_n: int | None = None, stages: int | None = None):
+    """(out (T, H, D) contiguous in q's dtype, lse2 (T, H) float32 base-2 log-sum-exp, empty
+    (0, H) unless softmax), as the Triton forward returns them. Inputs as
+    :func:`unsupported_reason` accepts; offsets (B+1,) int64 and num_targets (B,) int64 (causal
+    only) on the GPU. ``block_n`` (64 or 128) and ``stages``: the key tile and ring depth, for
+    experiments (default: TILES); shared memory must hold 2·64·D + 2·stages·block_n·D elements."""
     T, H, D = q.shape
     tile_n, tile_stages = TILES[_kind(activation)]
     block_n, stages = block_n or tile_n, stages or tile_stages
     B = offsets.numel() - 1
-    out = torch.empty_like(q)
+    out = q.new_empty(T, H, D)                    # the kernel stores rows of H·D
     softmax = activation == "softmax"
     lse2 = torch.empty(T if softmax else 0, H, device=q.device, dtype=torch.float32)
     n_m_tiles = math.ceil(max_seqlen / BLOCK_M)
