@@ -80,24 +80,28 @@ def _pointwise(x, ACTIVATION: gl.constexpr):
 
 @gluon.jit
 def _activate(s, j, rows, seq_len, history, m_i, l_i, n_full, qk_scale, ACTIVATION: gl.constexpr,
-              CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+              CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr, BLOCK_N: gl.constexpr,
+              s_layout: gl.constexpr):
     """Scores (64, BLOCK_N) of key tile j -> (p, m_i, l_i, alpha). Softmax: online, base 2
     (``qk_scale`` = scale·log2 e; alpha rescales the accumulator). Others: act(scale·s), masked
     (``qk_scale`` = scale; m_i, l_i, alpha unused). Tiles from n_full on are masked: causal, key
-    <= query and (key < history or key == query): rows from ``history`` on are candidates (without
-    targets history = seq_len, and the second term always holds); full, key < seq_len."""
+    <= query, and with targets (key < history or key == query): rows from ``history`` on are
+    candidates; full, key < seq_len."""
     s = s * qk_scale
     keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     if CAUSAL:
-        allowed = ((keys[None, :] <= rows[:, None])
-                   & ((keys < history)[None, :] | (keys[None, :] == rows[:, None])))
+        allowed = keys[None, :] <= rows[:, None]
+        if HAS_TARGETS:
+            allowed = allowed & ((keys < history)[None, :] | (keys[None, :] == rows[:, None]))
     else:
         allowed = (keys < seq_len)[None, :] & (rows >= 0)[:, None]
     if ACTIVATION == 0:
         if j >= n_full:
             s = gl.where(allowed, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)   # a candidate's rows before itself
+        m_use = m_new
+        if HAS_TARGETS:    # a candidate sees no key in the tiles between the history and itself
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - m_use[:, None])
         alpha = gl.exp2(m_i - m_use)
         l_i = l_i * alpha + gl.sum(p, 1)
@@ -113,7 +117,7 @@ def _activate(s, j, rows, seq_len, history, m_i, l_i, n_full, qk_scale, ACTIVATI
 @gluon.jit
 def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty,
               O, LSE2, start, seq_len, history, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles,
-              ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr):
+              ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
     """One warpgroup: query rows [m0 + 64·wg, m0 + 64·wg + 64) against key tiles 0..n_tiles-1."""
     WG_M: gl.constexpr = _BLOCK_M // 2
     STAGES: gl.constexpr = k_ring.type.shape[0]
@@ -134,7 +138,7 @@ def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready,
     m_i = gl.full([WG_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([WG_M], gl.float32, gl.SliceLayout(1, s_layout))
     p, m_i, l_i, alpha = _activate(s, 0, rows, seq_len, history, m_i, l_i, n_full, qk_scale, ACTIVATION,
-                                   CAUSAL, BLOCK_N, s_layout)
+                                   CAUSAL, HAS_TARGETS, BLOCK_N, s_layout)
     acc = gl.zeros([WG_M, D], gl.float32, o_layout)
     for j in range(n_tiles - 1):
         nxt = j + 1
@@ -149,7 +153,7 @@ def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready,
                               is_async=True)
         s = warpgroup_mma_wait(1, deps=[s_tok])    # Q·K_{j+1}ᵀ is done; P_j·V_j may still run ...
         p, m_i, l_i, alpha = _activate(s, nxt, rows, seq_len, history, m_i, l_i, n_full, qk_scale, ACTIVATION,
-                                       CAUSAL, BLOCK_N, s_layout)   # ... under tile j+1's activation
+                                       CAUSAL, HAS_TARGETS, BLOCK_N, s_layout)   # ... under tile j+1's activation
         acc = warpgroup_mma_wait(0, deps=[o_tok])
         mbarrier.arrive(kv_empty.index(stage), count=1)
         if ACTIVATION == 0:
@@ -173,16 +177,16 @@ def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready,
 @gluon.jit
 def _second_consumer(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty, q_desc, k_desc, v_desc,
                      O, LSE2, start, seq_len, history, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles,
-                     ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr):
+                     ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
     """Worker partition: the consumer of query rows 64..127 (workers share one signature)."""
     _consumer(1, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty, O, LSE2, start, seq_len,
-              history, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles, ACTIVATION, CAUSAL)
+              history, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles, ACTIVATION, CAUSAL, HAS_TARGETS)
 
 
 @gluon.jit
 def _producer(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty, q_desc, k_desc, v_desc,
               O, LSE2, start, seq_len, history, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles,
-              ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr):
+              ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
     """Worker partition, one warp: TMA loads of both query halves, then key/value tiles."""
     STAGES: gl.constexpr = k_ring.type.shape[0]
     BLOCK_N: gl.constexpr = k_ring.type.shape[1]
@@ -243,13 +247,13 @@ def _jagged_attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE2, offsets, num_target
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty, O, LSE2, start,
                          seq_len, history, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles,
-                         ACTIVATION, CAUSAL)),
+                         ACTIVATION, CAUSAL, HAS_TARGETS)),
             (_second_consumer, (q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty, q_desc, k_desc,
                                 v_desc, O, LSE2, start, seq_len, history, m0, h, H, stride_t, qk_scale, inv_norm,
-                                n_full, n_tiles, ACTIVATION, CAUSAL)),
+                                n_full, n_tiles, ACTIVATION, CAUSAL, HAS_TARGETS)),
             (_producer, (q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty, q_desc, k_desc,
                          v_desc, O, LSE2, start, seq_len, history, m0, h, H, stride_t, qk_scale, inv_norm,
-                         n_full, n_tiles, ACTIVATION, CAUSAL)),
+                         n_full, n_tiles, ACTIVATION, CAUSAL, HAS_TARGETS)),
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
