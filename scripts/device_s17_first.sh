@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# For the next session's first device call: the Gluon dK/dV prototype
+# (scripts/gluon_attn_bwd_prototype.py) on the GPU: parity against float64 autograd for softmax
+# and silu, then its GPU time on dense95 / heavytail (2 and 3 ring slots) beside gemcore's whole
+# Triton backward in the same process.
+set -u
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip.log 2>&1 || { cat /tmp/pip.log; exit 1; }
+cd scripts && timeout 400 python3 gluon_attn_bwd_prototype.py 2>&1 | grep -vE "leaked|nanobind|^ - " | tail -30
