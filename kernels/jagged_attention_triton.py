@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -146,8 +147,12 @@ def _common(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale
     return q_off, kv_off, nt, B, H, nq_pooled, inv_norm, flags, max_q
 
 
+#: why the Gluon forward was turned off in this process (None: it is on where it applies)
+_hopper_forward_failure: Optional[str] = None
+
+
 @functools.lru_cache(maxsize=1)
-def _hopper_forward():
+def _hopper_module():
     """gemcore.kernels.jagged_attention_gluon, or None where this Triton has no Gluon Hopper ops."""
     try:
         from gemcore.kernels import jagged_attention_gluon
@@ -159,11 +164,29 @@ def _hopper_forward():
 def forward_kernel(q, k, v, offsets, kv_offsets=None, num_targets=None, causal: bool = True,
                    window_left: int = -1, window_right: int = -1, activation: str = "softmax") -> str:
     """Which forward the Triton backend runs on these inputs: "gluon-hopper" or "triton"."""
-    hopper = _hopper_forward() if q.is_cuda else None
+    hopper = _hopper_module() if q.is_cuda and _hopper_forward_failure is None else None
     if hopper is not None and hopper.gluon_forward_applies(q, k, v, offsets, kv_offsets, num_targets, causal,
                                                            window_left, window_right, activation):
         return "gluon-hopper"
     return "triton"
+
+
+def _hopper_forward(*args):
+    """The Gluon forward's (out, lse2), or None once it failed to build on this Triton or GPU (a
+    Gluon API this code does not know, too little shared memory): then it is turned off for the
+    process with one warning naming the error, and the Triton forward runs."""
+    global _hopper_forward_failure
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        return _hopper_module().jagged_attention_fwd_hopper(*args)
+    except (CompilationError, OutOfResources) as exc:
+        _hopper_forward_failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        warnings.warn("gemcore: the Gluon (Hopper) attention forward failed to build here and is off "
+                      f"for this process; the Triton forward runs instead ({_hopper_forward_failure})",
+                      RuntimeWarning, stacklevel=2)
+        return None
 
 
 def _fwd(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, norm,
@@ -173,9 +196,10 @@ def _fwd(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, n
         window_right, max_seqlen)
     if forward_kernel(q, k, v, offsets, kv_offsets, num_targets, causal, window_left, window_right,
                       activation) == "gluon-hopper":
-        return _hopper_forward().jagged_attention_fwd_hopper(
-            q, k, v, q_off, activation, causal, scale, inv_norm, max_seqlen,
-            None if num_targets is None else nt)
+        result = _hopper_forward(q, k, v, q_off, activation, causal, scale, inv_norm, max_seqlen,
+                                 None if num_targets is None else nt)
+        if result is not None:
+            return result
     rows = B * nq_pooled if offsets is None else q.shape[0]
     out = q.new_empty(rows, H, v.shape[2])
     lse2 = torch.empty(rows if activation == "softmax" else 0, H, device=q.device,

@@ -59,6 +59,26 @@ def test_scope_names_what_it_does_not_take():
     assert not gluon_attention.gluon_forward_applies(q, k, v, offsets, None, None, True, -1, -1, "softmax")
 
 
+def test_a_forward_that_fails_to_build_turns_itself_off_with_a_warning(monkeypatch):
+    from types import SimpleNamespace
+
+    from triton.runtime.errors import OutOfResources
+
+    from gemcore.kernels import jagged_attention_triton as jt
+
+    def fails(*args):
+        raise OutOfResources(240 * 1024, 227 * 1024, "shared memory")
+
+    stub = SimpleNamespace(gluon_forward_applies=lambda *a: True, jagged_attention_fwd_hopper=fails)
+    monkeypatch.setattr(jt, "_hopper_module", lambda: stub)
+    monkeypatch.setattr(jt, "_hopper_forward_failure", None)
+    on_gpu = SimpleNamespace(is_cuda=True)             # only the device check reads q here
+    assert jt.forward_kernel(on_gpu, None, None, None) == "gluon-hopper"
+    with pytest.warns(RuntimeWarning, match="OutOfResources.*shared memory"):
+        assert jt._hopper_forward() is None
+    assert jt.forward_kernel(on_gpu, None, None, None) == "triton"
+
+
 @pytest.mark.parametrize("activation,causal,dtype,head_dim", [
     ("softmax", True, torch.bfloat16, 128), ("gelu", False, torch.float16, 64)])
 def test_compiles_for_sm90_with_the_installed_triton(activation, causal, dtype, head_dim):
