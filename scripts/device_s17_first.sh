@@ -6,6 +6,8 @@
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip.log 2>&1 || { cat /tmp/pip.log; exit 1; }
+# the Gluon forward's GPU tests on the final code (the hypothesis lengths test is new, not yet run)
+timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_jagged_attention_gluon.py 2>&1 | grep -vE "leaked|nanobind|^ - " | tail -3
 cd scripts && timeout 400 python3 gluon_attn_bwd_prototype.py 2>&1 | grep -vE "leaked|nanobind|^ - " | tail -30
 # then the Gluon MX GEMM prototype (issue 4): parity per variant (relative error <= 1e-4 against
 # the float64 product), then TFLOP/s beside cuBLAS bf16, torch._scaled_mm FP8 and gemcore's mx_matmul

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 triton = pytest.importorskip("triton")
 gluon_attention = pytest.importorskip("gemcore.kernels.jagged_attention_gluon",
@@ -186,4 +188,24 @@ def test_targets_and_fused_qkv_views(activation):
         q, k, v, offsets, activation, True, 128 ** -0.5, 1.0 / 2048, 2048, targets)
     want = jagged_attention_reference(q.double(), k.double(), v.double(), offsets, causal=True,
                                       activation=activation, num_targets=targets)
+    assert _rel_err(out, want) < 1e-2, _rel_err(out, want)
+
+
+@needs_hopper
+@settings(max_examples=30, deadline=None)
+@given(lengths=st.lists(st.integers(0, 700), min_size=1, max_size=8),
+       activation=st.sampled_from(ACTIVATIONS), causal=st.booleans(), targets=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_hypothesis_lengths(lengths, activation, causal, targets, seed):
+    if sum(lengths) == 0:
+        lengths = lengths + [1]
+    q, k, v, offsets = _inputs(lengths, 2, 128, torch.bfloat16, seed=seed)
+    num_targets = None
+    if targets and causal:
+        num_targets = torch.tensor([n // 3 for n in lengths], device="cuda")
+    max_len = max(lengths)
+    out, _ = gluon_attention.jagged_attention_fwd_hopper(
+        q, k, v, offsets, activation, causal, 128 ** -0.5, 1.0 / max_len, max_len, num_targets)
+    want = jagged_attention_reference(q.double(), k.double(), v.double(), offsets, causal=causal,
+                                      activation=activation, num_targets=num_targets)
     assert _rel_err(out, want) < 1e-2, _rel_err(out, want)
