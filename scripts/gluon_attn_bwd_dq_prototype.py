@@ -23,11 +23,14 @@ import sys
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from gluon_attn_bwd_prototype import HEAD_D, _lse2_delta, _problem, _sigmoid_fast  # beside this one
+from gemcore.kernels.jagged_attention_gluon import _tma_load   # the TMA load under both Triton names
 
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+from gluon_attn_bwd_prototype import _sigmoid_fast   # the modules beside this one
+from gluon_bwd_harness import (HEAD_D, aot_compile, lse2_delta, parity_lengths, problem, reference,
+                               relative_error, time_beside_triton_backward)
+
 
 BLOCK_M = 128          # query rows per CTA: two consumer warpgroups of 64
 BLOCK_N = 64           # key rows per ring slot
@@ -264,37 +267,24 @@ def emulate(q, k, v, out, do, lse2, offsets, max_len: int, activation: str):
 def check(run, device: str) -> int:
     """``run`` (emulate or the GPU kernel) against float64 autograd's dq, and delta against
     rowsum(dO·O), per activation."""
-    from gemcore.kernels.jagged_attention_reference import jagged_attention_reference
-
     failed = 0
-    lengths = [0, 1, 2, 63, 64, 65, 127, 128, 129, 300, 5] if device == "cpu" else \
-        [0, 1, 2, 63, 64, 65, 127, 128, 129, 300, 1000, 2048, 5]
     for activation in ("softmax", "silu"):
-        q, k, v, do, offsets, max_len = _problem(lengths, device)
-        q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
-        out64 = jagged_attention_reference(q64, k64, v64, offsets, causal=True, activation=activation,
-                                           scale=None if activation == "softmax" else 1.0 / HEAD_D)
-        (dq_want,) = torch.autograd.grad(out64, (q64,), do.double())
-        out = out64.detach().to(torch.bfloat16)
-        lse2, delta_want = _lse2_delta(q, k, out, do, offsets)
+        q, k, v, do, offsets, max_len = problem(parity_lengths(device), device)
+        out, dq_want, _, _ = reference(q, k, v, do, offsets, activation)
+        lse2, delta_want = lse2_delta(q, k, out, do, offsets)
         dq, delta = run(q, k, v, out, do, lse2, offsets, max_len, activation)
-        err = float((dq.double() - dq_want).norm() / dq_want.norm())
+        err = relative_error(dq, dq_want)
         print(f"{activation} dq: relative error {err:.2e} (bf16: expect < 2e-2)", flush=True)
         failed |= not err < 2e-2
         if activation == "softmax":
-            err = float((delta.double() - delta_want.double()).norm() / delta_want.double().norm())
+            err = relative_error(delta, delta_want)
             print(f"softmax delta: relative error {err:.2e} (expect < 1e-3)", flush=True)
             failed |= not err < 1e-3
     return int(failed)
 
 
 def compile_only(silu: bool) -> None:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
-
-    from gluon_attn_fwd_prototype import ptxas_report
 
     x = torch.zeros(256, 4, HEAD_D, dtype=torch.bfloat16)
     d = _descriptors(x, x, x, x)
@@ -302,36 +292,19 @@ def compile_only(silu: bool) -> None:
            "v_desc": mangle_type(d[3]), "DQ": "*bf16", "O": "*bf16", "LSE2": "*fp32", "DELTA": "*fp32",
            "offsets": "*i64", "stride_t": "i32", "H": "i32", "scale": "fp32", "qk_scale": "fp32",
            "inv_norm": "fp32", "STAGES": "constexpr", "SILU": "constexpr"}
-    src = GluonASTSource(_gluon_attn_bwd_dq, sig, constexprs={"STAGES": STAGES, "SILU": silu})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": MAXNREG})
-    print(f"triton {triton.__version__}, {'silu' if silu else 'softmax'} dQ: {ptxas_report(kernel)}")
+    aot_compile(_gluon_attn_bwd_dq, sig, {"STAGES": STAGES, "SILU": silu}, MAXNREG,
+                f"{'silu' if silu else 'softmax'} dQ")
 
 
 def run_on_gpu() -> int:
-    """Parity, then the dQ kernel's GPU time on dense95 / heavytail beside gemcore's whole Triton
-    backward in the same process."""
+    """Parity, then the dQ kernel's GPU time beside gemcore's whole Triton backward."""
     failed = check(dq_and_delta, "cuda")
     if failed:
         return failed
-    from attn_experiment_harness import workload_inputs
-    from gemcore.bench.attention import GPU_TIME_SPACER_CYCLES
-    from gemcore.bench.timing import median_ms
-    from gemcore.kernels import jagged_attention
-
-    timing = dict(launch_hidden=True, spacer_cycles=GPU_TIME_SPACER_CYCLES)
-    for workload in ("dense95", "heavytail"):
-        for activation in ("softmax", "silu"):
-            q, k, v, offsets, max_len, flops, kw = workload_inputs(workload, activation)
-            q, k, v = (x.requires_grad_() for x in (q, k, v))
-            out = jagged_attention(q, k, v, offsets, validate=False, **kw)
-            do = torch.randn_like(out)
-            ms_bwd = median_ms(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), **timing)
-            lse2 = torch.zeros(q.shape[0], q.shape[1], device="cuda")
-            ms = median_ms(lambda: dq_and_delta(q.detach(), k.detach(), v.detach(), out.detach(), do, lse2,
-                                                offsets, max_len, activation), **timing)
-            # the dQ kernel's 3 MMAs are 1.5x the forward's FLOPs
-            print(f"{workload} {activation}: gemcore triton backward {ms_bwd:.2f} ms; gluon dQ alone "
-                  f"{ms:.2f} ms ({1.5 * flops / ms / 1e9:.0f} TFLOP/s)", flush=True)
+    # the dQ kernel's 3 MMAs are 1.5x the forward's FLOPs
+    time_beside_triton_backward({"gluon dQ + delta alone": (
+        lambda q, k, v, out, do, lse2, delta, offsets, max_len, act:
+        dq_and_delta(q, k, v, out, do, lse2, offsets, max_len, act))}, 1.5)
     return 0
 
 

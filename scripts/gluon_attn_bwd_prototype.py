@@ -28,11 +28,14 @@ import sys
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+from gemcore.kernels.jagged_attention_gluon import _tma_load   # the TMA load under both Triton names
 
-HEAD_D = 128
+from gluon_bwd_harness import (HEAD_D, aot_compile, lse2_delta, parity_lengths, problem, reference,  # beside this
+                               relative_error, time_beside_triton_backward)
+
+
 BLOCK_N = 128          # key rows per CTA: two consumer warpgroups of 64
 BLOCK_M = 64           # query rows per ring slot
 STAGES = 2             # Q / dO ring slots: K, V 64 KiB + 32 KiB per slot (the GPU run also times 3)
@@ -278,65 +281,23 @@ def emulate(q, k, v, do, lse2, delta, offsets, max_len: int, activation: str):
     return dk, dv
 
 
-def _problem(lengths, device, seed=0):
-    """bf16 q, k, v, dO and gemcore's reference forward pieces for causal attention over
-    ``lengths``: (q, k, v, do, offsets, max_len, lse2 fn, delta fn) where lse2 / delta are the
-    base-2 log-sum-exp and rowsum(dO·O) of softmax, computed in float64 per sequence."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    T, H = sum(lengths), 2
-    q, k, v, do = (torch.randn(T, H, HEAD_D, generator=g, device=device).to(torch.bfloat16) for _ in range(4))
-    offsets = torch.nn.functional.pad(torch.tensor(lengths, device=device).cumsum(0), (1, 0))
-    return q, k, v, do, offsets, max(lengths)
-
-
-def _reference_grads(q, k, v, do, offsets, activation):
-    from gemcore.kernels.jagged_attention_reference import jagged_attention_reference
-
-    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
-    out = jagged_attention_reference(q64, k64, v64, offsets, causal=True, activation=activation,
-                                     scale=None if activation == "softmax" else 1.0 / q.shape[2])
-    _, dk, dv = torch.autograd.grad(out, (q64, k64, v64), do.double())
-    return out, dk, dv
-
-
-def _lse2_delta(q, k, out, do, offsets):
-    """Softmax's base-2 LSE of the scaled scores and delta = rowsum(dO·O), (T, H) float32."""
-    T, H, D = q.shape
-    lse2 = torch.zeros(T, H, dtype=torch.float64, device=q.device)
-    for b in range(offsets.numel() - 1):
-        s, e = int(offsets[b]), int(offsets[b + 1])
-        if e > s:
-            qk = torch.einsum("ihd,jhd->hij", q[s:e].double(), k[s:e].double()) / math.sqrt(D)
-            qk = qk.masked_fill(torch.ones(e - s, e - s, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-            lse2[s:e] = (torch.logsumexp(qk, -1) / math.log(2)).T
-    delta = (do.double() * out.double()).sum(-1)
-    return lse2.float(), delta.float()
-
-
 def check(run, device: str) -> int:
     """``run`` (emulate or the GPU kernel) against float64 autograd, per activation."""
     failed = 0
-    lengths = [0, 1, 2, 63, 64, 65, 127, 128, 129, 300, 5] if device == "cpu" else \
-        [0, 1, 2, 63, 64, 65, 127, 128, 129, 300, 1000, 2048, 5]
     for activation in ("softmax", "silu"):
-        q, k, v, do, offsets, max_len = _problem(lengths, device)
-        out, dk_want, dv_want = _reference_grads(q, k, v, do, offsets, activation)
-        lse2, delta = _lse2_delta(q, k, out, do, offsets)
+        q, k, v, do, offsets, max_len = problem(parity_lengths(device), device)
+        out, _, dk_want, dv_want = reference(q, k, v, do, offsets, activation)
+        lse2, delta = lse2_delta(q, k, out, do, offsets)
         dk, dv = run(q, k, v, do, lse2, delta, offsets, max_len, activation)
         for name, got, want in (("dk", dk, dk_want), ("dv", dv, dv_want)):
-            err = float((got.double() - want).norm() / want.norm())
+            err = relative_error(got, want)
             print(f"{activation} {name}: relative error {err:.2e} (bf16: expect < 2e-2)", flush=True)
             failed |= not err < 2e-2
     return int(failed)
 
 
 def compile_only(silu: bool) -> None:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
-
-    from gluon_attn_fwd_prototype import ptxas_report   # the module beside this one
 
     x = torch.zeros(256, 4, HEAD_D, dtype=torch.bfloat16)
     descs = _descriptors(x, x, x, x)
@@ -344,40 +305,20 @@ def compile_only(silu: bool) -> None:
            "do_desc": mangle_type(descs[3]), "DK": "*bf16", "DV": "*bf16", "LSE2": "*fp32", "DELTA": "*fp32",
            "offsets": "*i64", "stride_t": "i32", "H": "i32", "scale": "fp32", "qk_scale": "fp32",
            "inv_norm": "fp32", "STAGES": "constexpr", "SILU": "constexpr"}
-    src = GluonASTSource(_gluon_attn_bwd_dkdv, sig, constexprs={"STAGES": STAGES, "SILU": silu})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": MAXNREG})
-    print(f"triton {triton.__version__}, {'silu' if silu else 'softmax'} dK/dV: {ptxas_report(kernel)}")
+    aot_compile(_gluon_attn_bwd_dkdv, sig, {"STAGES": STAGES, "SILU": silu}, MAXNREG,
+                f"{'silu' if silu else 'softmax'} dK/dV")
 
 
 def run_on_gpu() -> int:
-    """Parity against float64 autograd, then dK/dV GPU time on dense95 / heavytail beside the
-    whole Triton backward (dQ + dK/dV) of gemcore in the same process."""
+    """Parity against float64 autograd, then dK/dV's GPU time (2 and 3 ring slots) beside
+    gemcore's whole Triton backward in the same process."""
     failed = check(dkdv, "cuda")
     if failed:
         return failed
-    from attn_experiment_harness import workload_inputs
-    from gemcore.bench.attention import GPU_TIME_SPACER_CYCLES
-    from gemcore.bench.timing import median_ms
-    from gemcore.kernels import jagged_attention
-
-    timing = dict(launch_hidden=True, spacer_cycles=GPU_TIME_SPACER_CYCLES)
-    for workload in ("dense95", "heavytail"):
-        for activation in ("softmax", "silu"):
-            q, k, v, offsets, max_len, flops, kw = workload_inputs(workload, activation)
-            q, k, v = (x.requires_grad_() for x in (q, k, v))
-            out = jagged_attention(q, k, v, offsets, validate=False, **kw)
-            do = torch.randn_like(out)
-            ms_bwd = median_ms(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), **timing)
-            lse2 = torch.zeros(q.shape[0], q.shape[1], device="cuda")
-            delta = (do.float() * out.float()).sum(-1)
-            # backward FLOPs: 2.5x the forward's; the dK/dV kernel's 4 MMAs are 2x the forward's
-            print(f"{workload} {activation}: gemcore triton backward (dQ + dK/dV) {ms_bwd:.2f} ms "
-                  f"({2.5 * flops / ms_bwd / 1e9:.0f} TFLOP/s)", flush=True)
-            for stages in (2, 3):
-                ms = median_ms(lambda: dkdv(q.detach(), k.detach(), v.detach(), do, lse2, delta, offsets,
-                                            max_len, activation, stages), **timing)
-                print(f"  gluon dK/dV alone, {stages} slots: {ms:.2f} ms ({2.0 * flops / ms / 1e9:.0f} TFLOP/s)",
-                      flush=True)
+    # the dK/dV kernel's 4 MMAs are 2x the forward's FLOPs
+    time_beside_triton_backward({f"gluon dK/dV alone, {stages} slots": (
+        lambda q, k, v, out, do, lse2, delta, offsets, max_len, act, stages=stages:
+        dkdv(q, k, v, do, lse2, delta, offsets, max_len, act, stages)) for stages in (2, 3)}, 2.0)
     return 0
 
 

@@ -10,7 +10,6 @@ import argparse
 import math
 import time
 
-import torch
 
 from attn_experiment_harness import workload_inputs  # the module beside this script
 from gemcore.bench.attention import GPU_TIME_SPACER_CYCLES

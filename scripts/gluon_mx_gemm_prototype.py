@@ -32,9 +32,10 @@ import sys
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+from gemcore.kernels.jagged_attention_gluon import _tma_load   # the TMA load under both Triton names
+
 
 BLOCK_M = 128            # two consumer warpgroups of 64 rows
 MX_BLOCK = 32            # K per MX block, and per FP8 wgmma
