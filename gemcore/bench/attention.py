@@ -187,27 +187,33 @@ TUNE_CANDIDATES = {
 
 
 def tune(forward: Callable[[], torch.Tensor], inputs, head_dim: int, flops: float,
-         activation: str = "softmax") -> None:
+         activation: str = "softmax", gpu_time: bool = False) -> None:
     """Sweep each kernel's candidate tiles (the others at their current best) and install the
     fastest for this head dim in ``jagged_attention_triton.CONFIGS`` (softmax) or
-    ``POINTWISE_CONFIGS`` (the other activations); prints every timing."""
+    ``POINTWISE_CONFIGS`` (the other activations); prints every timing. ``gpu_time`` as in
+    :func:`measure`, so the tune's figures compare with the rows after it. The Triton forward's
+    tiles are swept with the Gluon (Hopper) forward off: where that one runs, they only serve
+    the inputs outside its scope."""
     from gemcore.kernels import jagged_attention_triton as jt
 
     bucket = jt.head_dim_bucket(head_dim)
     table = jt.CONFIGS if activation == "softmax" else jt.POINTWISE_CONFIGS
+    timing = dict(launch_hidden=gpu_time, spacer_cycles=GPU_TIME_SPACER_CYCLES)
     grad = torch.randn_like(forward())
     for kernel, candidates in TUNE_CANDIDATES.items():
         timings = {}
         for cand in candidates:
             cfg = jt.TileConfig(*cand)
-            with jt.pinned_configs(**{kernel: cfg}):
+            triton_forward = _env("GEMCORE_GLUON_ATTENTION", "0") if kernel == "fwd" else contextlib.nullcontext()
+            with jt.pinned_configs(**{kernel: cfg}), triton_forward:
                 try:
                     if kernel == "fwd":
                         with torch.no_grad():
-                            ms = median_ms(forward, 5, warmup=1)
+                            ms = median_ms(forward, 5, warmup=1, **timing)
                         tflops = flops / ms / 1e9
                     else:
-                        ms = median_ms(lambda: torch.autograd.grad(forward(), inputs, grad), 5, warmup=1)
+                        ms = median_ms(lambda: torch.autograd.grad(forward(), inputs, grad), 5, warmup=1,
+                                       **timing)
                         tflops = 3.5 * flops / ms / 1e9
                 except Exception as exc:  # a tile that does not fit this GPU
                     print(f"tune {kernel} {cand}: {type(exc).__name__}")
@@ -278,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
         kw = dict(kv_offsets=kv_off if cross else None, activation=activations[0], causal=causal,
                   max_seqlen=max(q_max, kv_max), backend="triton")
         tune(lambda: jagged_attention(q, k, v, q_off, validate=False, **kw), (q, k, v), D, flops,
-             activations[0])
+             activations[0], args.gpu_time)
     for act in activations:
         kw = dict(kv_offsets=kv_off if cross else None, activation=act, causal=causal,
                   max_seqlen=max(q_max, kv_max), backend="triton")
