@@ -3,8 +3,8 @@ as FlashAttention-3 describes it; the backward stays with the Triton kernels, wh
 forward's output and base-2 log-sum-exp in the same layout.
 
 One CTA per (sequence, head, 128 query rows), heaviest query tiles first:
-- a producer warp loads the query tile once and key/value tiles of ``BLOCK_N`` rows through TMA
-  into a ring of ``STAGES`` slots, signalled by mbarriers (keys and values separately);
+- a producer warp loads the query tile once and key/value tiles through TMA into a ring of slots
+  (sizes per activation kind in ``TILES``), signalled by mbarriers (keys and values separately);
 - two consumer warpgroups own 64 query rows each and share the ring (a slot is free once both
   have released it); they are otherwise unsynchronized, so one's activation overlaps the other's
   wgmmas;
@@ -38,7 +38,6 @@ BLOCK_M = 128                    #: query rows per CTA: two consumer warpgroups 
 #: (scripts/gluon_fwd_sweep.py; docs/benchmarks.md): softmax 128 x 3 (404 against 379 TFLOP/s for
 #: 64 x 4 on dense95), the pointwise activations 64 x 4 (412 against 403 for 128 x 3)
 TILES = {"softmax": (128, 3), "pointwise": (64, 4)}
-BLOCK_N, STAGES = TILES["pointwise"]
 _BLOCK_M = gl.constexpr(BLOCK_M)
 _CONSUMER_REGS, _PRODUCER_REGS = gl.constexpr(240), gl.constexpr(24)
 #: per-thread register cap of the whole kernel: two consumer warpgroups and the producer's share
@@ -298,7 +297,7 @@ def gluon_forward_applies(q, k, v, offsets, kv_offsets, num_targets, causal: boo
     return q.shape[0] >= MIN_MEAN_LEN[_kind(activation)] * (offsets.numel() - 1)
 
 
-def _descriptors(q, k, v, block_n: int = BLOCK_N):
+def _descriptors(q, k, v, block_n: int):
     """TMA descriptors over the (T, H·D) row views (row stride x.stride(0)): q in (64, D) blocks,
     k and v in (block_n, D)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor

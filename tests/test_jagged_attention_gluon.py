@@ -141,8 +141,8 @@ def test_the_triton_backend_takes_it_and_gradients_match(activation, monkeypatch
     monkeypatch.setattr(gluon_attention, "jagged_attention_fwd_hopper",
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))
     lengths = [2048, 1500, 700, 1, 0, 129]             # mean above MIN_MEAN_LEN
-    q, k, v = (x.requires_grad_() for x in _inputs(lengths, 4, 128, torch.bfloat16)[:3])
-    offsets = _inputs(lengths, 4, 128, torch.bfloat16)[3]
+    q, k, v, offsets = _inputs(lengths, 4, 128, torch.bfloat16)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
     kw = dict(activation=activation, causal=True)
     got = jagged_attention(q, k, v, offsets, backend="triton", **kw)
     assert calls, "the Triton backend did not pick the Hopper forward"

@@ -17,7 +17,9 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Callable
+from unittest import mock
 
 import torch
 
@@ -186,6 +188,10 @@ TUNE_CANDIDATES = {
 }
 
 
+#: a block in which the Triton backend runs its Triton forward (the Gluon one off), restored after
+_TRITON_FORWARD = partial(mock.patch.dict, os.environ, {"GEMCORE_GLUON_ATTENTION": "0"})
+
+
 def tune(forward: Callable[[], torch.Tensor], inputs, head_dim: int, flops: float,
          activation: str = "softmax", gpu_time: bool = False) -> None:
     """Sweep each kernel's candidate tiles (the others at their current best) and install the
@@ -204,7 +210,7 @@ def tune(forward: Callable[[], torch.Tensor], inputs, head_dim: int, flops: floa
         timings = {}
         for cand in candidates:
             cfg = jt.TileConfig(*cand)
-            triton_forward = _env("GEMCORE_GLUON_ATTENTION", "0") if kernel == "fwd" else contextlib.nullcontext()
+            triton_forward = _TRITON_FORWARD() if kernel == "fwd" else contextlib.nullcontext()
             with jt.pinned_configs(**{kernel: cfg}), triton_forward:
                 try:
                     if kernel == "fwd":
@@ -244,20 +250,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    """Environment variable ``name`` set to ``value`` inside the block, restored after."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
-
-
 def run(args: argparse.Namespace) -> int:
     from gemcore.kernels import jagged_attention
     from gemcore.kernels.jagged_attention_triton import forward_kernel
@@ -293,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
         rows.append(measure(f"gemcore {act} ({fwd} fwd)", lambda kw=kw: jagged_attention(
             q, k, v, q_off, validate=False, **kw), (q, k, v), flops, args.iters, args.gpu_time))
         if fwd != "triton":                       # the Triton forward beside it, same run
-            with _env("GEMCORE_GLUON_ATTENTION", "0"):
+            with _TRITON_FORWARD():
                 rows.append(measure(f"gemcore {act} (triton fwd)", lambda kw=kw: jagged_attention(
                     q, k, v, q_off, validate=False, **kw), (q, k, v), flops, args.iters, args.gpu_time))
         if args.validated:

@@ -67,12 +67,16 @@ def main(argv: list[str] | None = None) -> int:
                           kind="uniform", seed=0)
     import time
 
+    def step_users(step: int) -> list[int]:
+        """The users of step ``step``'s global batch (every rank's)."""
+        first = 0 if args.same_batch else step * args.batch
+        return list(range(first, first + args.batch))
+
     def train_step(step: int) -> tuple[float, float | None, float]:
         """One optimizer step on step ``step``'s global batch: (loss, gradient norm, seconds). The
         batch is built and on the device before the clock starts (a DataLoader's workers prefetch
         it; the planner does not model input work)."""
-        first = 0 if args.same_batch else step * args.batch
-        batch = data.__getitems__(list(range(first, first + args.batch))[par.rank::par.world_size]).to(device)
+        batch = data.__getitems__(step_users(step)[par.rank::par.world_size]).to(device)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -103,13 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.predict:
         moments = []                              # E[L], E[L²] of each rank's share of each step
         for step in range(args.steps):
-            first = 0 if args.same_batch else step * args.batch
-            everyone = data.__getitems__(list(range(first, first + args.batch)))
+            everyone = data.__getitems__(step_users(step))
             n = (everyone.offsets.diff() + everyone.cand_offsets.diff()).double()
             moments.append([(float(n[r::par.world_size].mean()), float((n[r::par.world_size] ** 2).mean()))
                             for r in range(par.world_size)])
-        first = data.__getitems__(list(range(args.batch))[par.rank::par.world_size])
-        lengths = (first.offsets.diff() + first.cand_offsets.diff()).tolist()
+        first_batch = data.__getitems__(step_users(0)[par.rank::par.world_size])
+        lengths = (first_batch.offsets.diff() + first_batch.cand_offsets.diff()).tolist()
         out.update(_predict(plan, cfg, args, env, step_s, lengths, moments, backend, dtype))
     if env["rank"] == 0:
         print(json.dumps(out), flush=True)
