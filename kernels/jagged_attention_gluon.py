@@ -78,22 +78,30 @@ def _pointwise(x, ACTIVATION: gl.constexpr):
 
 
 @gluon.jit
+def _allowed(rows, keys, seq_len, history, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
+    """Which (row, key) pairs attend, for broadcastable index tensors: causal, key <= row, and
+    with targets (key < history or key == row): rows from ``history`` on are candidates; full,
+    key < seq_len. Rows past seq_len are the caller's to mask."""
+    if CAUSAL:
+        allowed = keys <= rows
+        if HAS_TARGETS:
+            allowed = allowed & ((keys < history) | (keys == rows))
+    else:
+        allowed = (keys < seq_len) & (rows >= 0)
+    return allowed
+
+
+@gluon.jit
 def _activate(s, j, rows, seq_len, history, m_i, l_i, n_full, qk_scale, ACTIVATION: gl.constexpr,
               CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr, BLOCK_N: gl.constexpr,
               s_layout: gl.constexpr):
     """Scores (64, BLOCK_N) of key tile j -> (p, m_i, l_i, alpha). Softmax: online, base 2
     (``qk_scale`` = scale·log2 e; alpha rescales the accumulator). Others: act(scale·s), masked
-    (``qk_scale`` = scale; m_i, l_i, alpha unused). Tiles from n_full on are masked: causal, key
-    <= query, and with targets (key < history or key == query): rows from ``history`` on are
-    candidates; full, key < seq_len."""
+    (``qk_scale`` = scale; m_i, l_i, alpha unused). Tiles from n_full on are masked
+    (:func:`_allowed`)."""
     s = s * qk_scale
     keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    if CAUSAL:
-        allowed = keys[None, :] <= rows[:, None]
-        if HAS_TARGETS:
-            allowed = allowed & ((keys < history)[None, :] | (keys[None, :] == rows[:, None]))
-    else:
-        allowed = (keys < seq_len)[None, :] & (rows >= 0)[:, None]
+    allowed = _allowed(rows[:, None], keys[None, :], seq_len, history, CAUSAL, HAS_TARGETS)
     if ACTIVATION == 0:
         if j >= n_full:
             s = gl.where(allowed, s, float("-inf"))
@@ -224,9 +232,10 @@ def _jagged_attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE2, offsets, num_target
         history = seq_len - gl.load(num_targets + b).to(gl.int32)
     if m0 < seq_len:
         if CAUSAL:
-            # wholly visible key tiles (before the diagonal and before the candidates), then the rest
+            # wholly visible key tiles (before the diagonal and before the candidates), then the
+            # masked rest up to the diagonal: with targets, a candidate's own key lies past the history
             n_full = gl.minimum(m0, history) // BLOCK_N
-            n_tiles = gl.minimum(n_full + _BLOCK_M // BLOCK_N, gl.cdiv(seq_len, BLOCK_N))
+            n_tiles = gl.cdiv(gl.minimum(m0 + _BLOCK_M, seq_len), BLOCK_N)
         else:
             n_full = seq_len // BLOCK_N            # whole key tiles, then the sequence's last part
             n_tiles = gl.cdiv(seq_len, BLOCK_N)

@@ -147,44 +147,58 @@ def _common(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale
     return q_off, kv_off, nt, B, H, nq_pooled, inv_norm, flags, max_q
 
 
-#: why the Gluon forward was turned off in this process (None: it is on where it applies)
-_hopper_forward_failure: Optional[str] = None
+#: part ("forward" / "backward") -> why its Gluon kernels were turned off in this process
+_hopper_failures: dict[str, str] = {}
 
 
 @functools.lru_cache(maxsize=1)
-def _hopper_module():
-    """gemcore.kernels.jagged_attention_gluon, or None where this Triton has no Gluon Hopper ops."""
+def _hopper_modules():
+    """(jagged_attention_gluon, jagged_attention_gluon_bwd), or None where this Triton has no
+    Gluon Hopper ops."""
     try:
-        from gemcore.kernels import jagged_attention_gluon
+        from gemcore.kernels import jagged_attention_gluon, jagged_attention_gluon_bwd
     except (ImportError, AttributeError):
         return None
-    return jagged_attention_gluon
+    return jagged_attention_gluon, jagged_attention_gluon_bwd
 
 
 def forward_kernel(q, k, v, offsets, kv_offsets=None, num_targets=None, causal: bool = True,
                    window_left: int = -1, window_right: int = -1, activation: str = "softmax") -> str:
     """Which forward the Triton backend runs on these inputs: "gluon-hopper" or "triton"."""
-    hopper = _hopper_module() if q.is_cuda and _hopper_forward_failure is None else None
-    if hopper is not None and hopper.gluon_forward_applies(q, k, v, offsets, kv_offsets, num_targets, causal,
-                                                           window_left, window_right, activation):
+    modules = _hopper_modules() if q.is_cuda and "forward" not in _hopper_failures else None
+    if modules is not None and modules[0].gluon_forward_applies(
+            q, k, v, offsets, kv_offsets, num_targets, causal, window_left, window_right, activation):
         return "gluon-hopper"
     return "triton"
 
 
-def _hopper_forward(*args):
-    """The Gluon forward's (out, lse2), or None once it failed to build on this Triton or GPU (a
-    Gluon API this code does not know, too little shared memory): then it is turned off for the
-    process with one warning naming the error, and the Triton forward runs."""
-    global _hopper_forward_failure
+def backward_kernel(q, k, v, offsets, kv_offsets=None, num_targets=None, causal: bool = True,
+                    window_left: int = -1, window_right: int = -1) -> str:
+    """Which backward the Triton backend runs on these inputs: "gluon-hopper" or "triton"."""
+    modules = _hopper_modules() if q.is_cuda and "backward" not in _hopper_failures else None
+    if modules is not None and modules[1].gluon_backward_applies(
+            q, k, v, offsets, kv_offsets, num_targets, causal, window_left, window_right):
+        return "gluon-hopper"
+    return "triton"
+
+
+def _run_hopper(part: str, *args):
+    """The Gluon ``part``'s result ("forward": (out, lse2); "backward": (dq, dk, dv)), or None once
+    it failed to build on this Triton or GPU (a Gluon API this code does not know, too little
+    shared memory): then that part is turned off for the process with one warning naming the
+    error, and the Triton kernels run."""
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
+    fwd_module, bwd_module = _hopper_modules()
     try:
-        return _hopper_module().jagged_attention_fwd_hopper(*args)
+        if part == "forward":
+            return fwd_module.jagged_attention_fwd_hopper(*args)
+        return bwd_module.jagged_attention_bwd_hopper(*args)
     except (CompilationError, OutOfResources) as exc:
-        _hopper_forward_failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        warnings.warn("gemcore: the Gluon (Hopper) attention forward failed to build here and is off "
-                      f"for this process; the Triton forward runs instead ({_hopper_forward_failure})",
+        _hopper_failures[part] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        warnings.warn(f"gemcore: the Gluon (Hopper) attention {part} failed to build here and is off "
+                      f"for this process; the Triton {part} runs instead ({_hopper_failures[part]})",
                       RuntimeWarning, stacklevel=2)
         return None
 
@@ -196,8 +210,8 @@ def _fwd(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, n
         window_right, max_seqlen)
     if forward_kernel(q, k, v, offsets, kv_offsets, num_targets, causal, window_left, window_right,
                       activation) == "gluon-hopper":
-        result = _hopper_forward(q, k, v, q_off, activation, causal, scale, inv_norm, max_seqlen,
-                                 None if num_targets is None else nt)
+        result = _run_hopper("forward", q, k, v, q_off, activation, causal, scale, inv_norm, max_seqlen,
+                             None if num_targets is None else nt)
         if result is not None:
             return result
     rows = B * nq_pooled if offsets is None else q.shape[0]
@@ -223,6 +237,12 @@ def _bwd(do, q, k, v, out, lse2, offsets, kv_offsets, num_targets, activation, c
         q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, norm, window_left,
         window_right, max_seqlen)
     do = do.reshape(-1, H, v.shape[2])
+    if backward_kernel(q, k, v, offsets, kv_offsets, num_targets, causal, window_left,
+                       window_right) == "gluon-hopper":
+        grads = _run_hopper("backward", do, q, k, v, out, lse2, q_off, activation, causal, scale, inv_norm,
+                            max_seqlen, None if num_targets is None else nt)
+        if grads is not None:
+            return grads
     if do.stride(-1) != 1:
         do = do.contiguous()
     # softmax: delta = rowsum(dO * O) is written by the dQ kernel, which therefore runs first

@@ -61,7 +61,7 @@ def test_scope_names_what_it_does_not_take():
     assert not gluon_attention.gluon_forward_applies(q, k, v, offsets, None, None, True, -1, -1, "softmax")
 
 
-def test_a_forward_that_fails_to_build_turns_itself_off_with_a_warning(monkeypatch):
+def test_a_part_that_fails_to_build_turns_itself_off_with_a_warning(monkeypatch):
     from types import SimpleNamespace
 
     from triton.runtime.errors import OutOfResources
@@ -71,14 +71,20 @@ def test_a_forward_that_fails_to_build_turns_itself_off_with_a_warning(monkeypat
     def fails(*args):
         raise OutOfResources(240 * 1024, 227 * 1024, "shared memory")
 
-    stub = SimpleNamespace(gluon_forward_applies=lambda *a: True, jagged_attention_fwd_hopper=fails)
-    monkeypatch.setattr(jt, "_hopper_module", lambda: stub)
-    monkeypatch.setattr(jt, "_hopper_forward_failure", None)
+    stub = SimpleNamespace(gluon_forward_applies=lambda *a: True, jagged_attention_fwd_hopper=fails,
+                           gluon_backward_applies=lambda *a: True, jagged_attention_bwd_hopper=fails)
+    monkeypatch.setattr(jt, "_hopper_modules", lambda: (stub, stub))
+    monkeypatch.setattr(jt, "_hopper_failures", {})
     on_gpu = SimpleNamespace(is_cuda=True)             # only the device check reads q here
     assert jt.forward_kernel(on_gpu, None, None, None) == "gluon-hopper"
-    with pytest.warns(RuntimeWarning, match="OutOfResources.*shared memory"):
-        assert jt._hopper_forward() is None
+    assert jt.backward_kernel(on_gpu, None, None, None) == "gluon-hopper"
+    with pytest.warns(RuntimeWarning, match="forward failed.*OutOfResources.*shared memory"):
+        assert jt._run_hopper("forward") is None
     assert jt.forward_kernel(on_gpu, None, None, None) == "triton"
+    assert jt.backward_kernel(on_gpu, None, None, None) == "gluon-hopper"   # each part on its own
+    with pytest.warns(RuntimeWarning, match="backward failed.*OutOfResources"):
+        assert jt._run_hopper("backward") is None
+    assert jt.backward_kernel(on_gpu, None, None, None) == "triton"
 
 
 @pytest.mark.parametrize("activation,causal,dtype,head_dim", [
@@ -176,9 +182,10 @@ def test_every_tile_in_use_is_right_for_both_kinds(tile, activation):
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
 def test_targets_and_fused_qkv_views(activation):
     """Candidates (the last n tokens of a sequence; one sequence all candidates) on views of a
-    fused qkv projection, as the model calls it."""
-    lengths = [300, 1, 129, 0, 2048, 64, 5]
-    targets = torch.tensor([30, 1, 0, 0, 200, 64, 5], device="cuda")
+    fused qkv projection, as the model calls it. The last two have short histories, so a
+    candidate's own key (past the history, in a later key tile) weighs in its row."""
+    lengths = [300, 1, 129, 0, 2048, 64, 5, 131, 260]
+    targets = torch.tensor([30, 1, 0, 0, 200, 64, 5, 43, 250], device="cuda")
     g = torch.Generator(device="cuda").manual_seed(2)
     qkv = torch.randn(sum(lengths), 3, 4, 128, generator=g, device="cuda").to(torch.bfloat16)
     q, k, v = qkv.unbind(1)

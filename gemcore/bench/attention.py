@@ -188,8 +188,11 @@ TUNE_CANDIDATES = {
 }
 
 
-#: a block in which the Triton backend runs its Triton forward (the Gluon one off), restored after
-_TRITON_FORWARD = partial(mock.patch.dict, os.environ, {"GEMCORE_GLUON_ATTENTION": "0"})
+#: a block in which the Triton backend runs its Triton kernels only (the Gluon forward and
+#: backward off), restored after
+_TRITON_ONLY = partial(mock.patch.dict, os.environ, {"GEMCORE_GLUON_ATTENTION": "0"})
+#: a block in which the Triton backend runs its Triton backward (the Gluon backward off)
+_TRITON_BACKWARD = partial(mock.patch.dict, os.environ, {"GEMCORE_GLUON_ATTENTION_BWD": "0"})
 
 
 def tune(forward: Callable[[], torch.Tensor], inputs, head_dim: int, flops: float,
@@ -197,9 +200,9 @@ def tune(forward: Callable[[], torch.Tensor], inputs, head_dim: int, flops: floa
     """Sweep each kernel's candidate tiles (the others at their current best) and install the
     fastest for this head dim in ``jagged_attention_triton.CONFIGS`` (softmax) or
     ``POINTWISE_CONFIGS`` (the other activations); prints every timing. ``gpu_time`` as in
-    :func:`measure`, so the tune's figures compare with the rows after it. The Triton forward's
-    tiles are swept with the Gluon (Hopper) forward off: where that one runs, they only serve
-    the inputs outside its scope."""
+    :func:`measure`, so the tune's figures compare with the rows after it. The Triton kernels'
+    tiles are swept with the Gluon (Hopper) kernels off: where those run, the Triton tiles only
+    serve the inputs outside their scope."""
     from gemcore.kernels import jagged_attention_triton as jt
 
     bucket = jt.head_dim_bucket(head_dim)
@@ -210,8 +213,7 @@ def tune(forward: Callable[[], torch.Tensor], inputs, head_dim: int, flops: floa
         timings = {}
         for cand in candidates:
             cfg = jt.TileConfig(*cand)
-            triton_forward = _TRITON_FORWARD() if kernel == "fwd" else contextlib.nullcontext()
-            with jt.pinned_configs(**{kernel: cfg}), triton_forward:
+            with jt.pinned_configs(**{kernel: cfg}), _TRITON_ONLY():
                 try:
                     if kernel == "fwd":
                         with torch.no_grad():
@@ -252,7 +254,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gemcore.kernels import jagged_attention
-    from gemcore.kernels.jagged_attention_triton import forward_kernel
+    from gemcore.kernels.jagged_attention_triton import backward_kernel, forward_kernel
 
     if not torch.cuda.is_available():
         print("gem bench attention needs a CUDA GPU")
@@ -282,11 +284,16 @@ def run(args: argparse.Namespace) -> int:
                   max_seqlen=max(q_max, kv_max), backend="triton")
         # as the model calls it: offsets valid by construction, no host sync (varlen_attn's terms)
         fwd = forward_kernel(q, k, v, q_off, kw["kv_offsets"], causal=causal, activation=act)
-        rows.append(measure(f"gemcore {act} ({fwd} fwd)", lambda kw=kw: jagged_attention(
-            q, k, v, q_off, validate=False, **kw), (q, k, v), flops, args.iters, args.gpu_time))
-        if fwd != "triton":                       # the Triton forward beside it, same run
-            with _TRITON_FORWARD():
-                rows.append(measure(f"gemcore {act} (triton fwd)", lambda kw=kw: jagged_attention(
+        bwd = backward_kernel(q, k, v, q_off, kw["kv_offsets"], causal=causal)
+        variants = [(f"{fwd} fwd, {bwd} bwd", contextlib.nullcontext)]
+        # the Triton kernels beside the Gluon ones, same run: the backward alone, then both
+        if bwd != "triton" and fwd != "triton":
+            variants.append((f"{fwd} fwd, triton bwd", _TRITON_BACKWARD))
+        if (fwd, bwd) != ("triton", "triton"):
+            variants.append(("triton fwd, triton bwd", _TRITON_ONLY))
+        for label, context in variants:
+            with context():
+                rows.append(measure(f"gemcore {act} ({label})", lambda kw=kw: jagged_attention(
                     q, k, v, q_off, validate=False, **kw), (q, k, v), flops, args.iters, args.gpu_time))
         if args.validated:
             rows.append(measure(f"gemcore {act}, offsets checked (1 sync)", lambda kw=kw: jagged_attention(
@@ -317,11 +324,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(dict(meta, rows=[asdict(r) for r in rows])))
         return 0
     print(" ".join(f"{k}={v}" for k, v in meta.items()))
-    print(f"{'implementation':44s} {'fwd ms':>8s} {'f+b ms':>8s} {'fwd TF/s':>9s} {'f+b TF/s':>9s} {'peak GB':>8s}")
+    print(f"{'implementation':58s} {'fwd ms':>8s} {'f+b ms':>8s} {'fwd TF/s':>9s} {'f+b TF/s':>9s} {'peak GB':>8s}")
     for r in rows:
         def fmt(x, w, p=2):
             return f"{x:{w}.{p}f}" if x is not None else f"{'-':>{w}s}"
-        print(f"{r.name:44s} {fmt(r.fwd_ms, 8)} {fmt(r.fwdbwd_ms, 8)} {fmt(r.fwd_tflops, 9, 1)} "
+        print(f"{r.name:58s} {fmt(r.fwd_ms, 8)} {fmt(r.fwdbwd_ms, 8)} {fmt(r.fwd_tflops, 9, 1)} "
               f"{fmt(r.fwdbwd_tflops, 9, 1)} {fmt(r.peak_gb, 8)} {r.note}")
     return 0
 

@@ -1,0 +1,458 @@
+"""Hopper backward of jagged self-attention in Gluon, the companion of the Gluon forward
+(``jagged_attention_gluon``): two warp-specialized kernels, no atomics.
+
+- dQ (runs first): one CTA per (sequence, head, 128 query rows), heaviest first. A producer warp
+  loads both 64-row halves of Q and dO once, then 64-row K/V tiles into a ring; two consumer
+  warpgroups own 64 query rows each. Softmax first writes ``delta = rowsum(dO·O)`` for its rows.
+  Per key tile: S = Q Kᵀ and dP = dO Vᵀ go out together; dS = P ⊙ (dP − delta) with
+  P = exp2(S·scale·log2 e − lse) (softmax) or dS = dP ⊙ act'(scale·S) / norm; dQ += dS K.
+- dK/dV: one CTA per (sequence, head, 128 key rows), the key tiles seen by the most queries first.
+  The producer loads both K/V halves once, then 64-row Q/dO tiles into a ring; each consumer
+  warpgroup keeps dK and dV of its 64 key rows in registers. Per query tile, with the scores
+  transposed (keys x queries): Sᵀ = K Qᵀ and dPᵀ = V dOᵀ go out together; dV += Pᵀ dO goes out
+  while dSᵀ is computed; dK += dSᵀ Q.
+dQ and dK are scaled by ``scale`` once at the end.
+
+Scope: the forward's (:func:`jagged_attention_gluon.unsupported_reason`), with dO's heads packed
+in rows too (the launcher copies it otherwise). Reads the forward's output and base-2 LSE.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+from gemcore.kernels.jagged_attention_gluon import _DTYPES, _allowed, _tanh_fast, _tma_load, unsupported_reason
+from gemcore.kernels.jagged_attention_triton_common import ACTIVATION_CODES
+
+#: (rows per CTA, rows per ring slot, ring slots) of the two kernels. dQ: 128 query rows, 64-row
+#: K/V tiles, 3 slots; dK/dV: 128 key rows, 64-row Q/dO tiles, 2 slots (3 timed the same on the H200)
+DQ_TILE = (128, 64, 3)
+DKDV_TILE = (128, 64, 2)
+_CONSUMER_REGS, _PRODUCER_REGS = gl.constexpr(240), gl.constexpr(24)
+MAXNREG = 168
+#: the Triton backward is kept for mean lengths below this (the Gluon one measured faster at mean
+#: 494 and 1945, both kinds; shorter ones are not measured)
+MIN_MEAN_LEN = 256
+
+
+@gluon.jit
+def _pointwise_and_grad(x, ACTIVATION: gl.constexpr):
+    """(act(x), act'(x)) of the non-softmax activations, codes as ACTIVATION_CODES (x float32)."""
+    if ACTIVATION == 1:                            # silu; sigmoid(x) = (1 + tanh(x/2)) / 2
+        sg = 0.5 + 0.5 * _tanh_fast(0.5 * x)
+        y = x * sg
+        g = sg + y * (1.0 - sg)
+    elif ACTIVATION == 2:                          # gelu, erf form
+        cdf = 0.5 * (1.0 + gl.erf(x * 0.7071067811865476))
+        y = x * cdf
+        g = cdf + x * 0.3989422804014327 * gl.exp(-0.5 * x * x)
+    elif ACTIVATION == 3:                          # gelu, tanh form: x·sg, sg = (1 + tanh u) / 2
+        sg = 0.5 + 0.5 * _tanh_fast(0.7978845608028654 * (x + 0.044715 * x * x * x))
+        y = x * sg
+        g = sg + y * 2.0 * (1.0 - sg) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x)
+    elif ACTIVATION == 4:
+        y = gl.maximum(x, 0.0)
+        g = gl.where(x > 0.0, 1.0, 0.0)
+    elif ACTIVATION == 5:
+        r = gl.maximum(x, 0.0)
+        y = r * r
+        g = 2.0 * r
+    else:
+        y = x
+        g = gl.full(x.shape, 1.0, gl.float32, x.type.layout)
+    return y, g
+
+
+# --------------------------------------------------------------------------- dQ
+@gluon.jit
+def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, qdo_bar, k_ready, v_ready, empty,
+                 DQ, O, LSE2, DELTA, start, seq_len, history, m0, h, H, stride_t, stride_o, scale, qk_scale,
+                 inv_norm, n_full, n_tiles, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
+                 HAS_TARGETS: gl.constexpr):
+    """Query rows [m0 + 64·wg, +64) against key tiles 0 .. n_tiles - 1; tiles from n_full on masked."""
+    WG_M: gl.constexpr = q_smem.type.shape[1]
+    STAGES: gl.constexpr = k_ring.type.shape[0]
+    BLOCK_N: gl.constexpr = k_ring.type.shape[1]
+    D: gl.constexpr = k_ring.type.shape[2]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    rows = m0 + wg * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
+    row_ok = rows < seq_len
+    mbarrier.wait(qdo_bar, 0)
+    if ACTIVATION == 0:
+        # delta = rowsum(dO·O) of these rows, stored for the dK/dV kernel
+        io: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        io_rows = m0 + wg * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, io))
+        io_cols = gl.arange(0, D, layout=gl.SliceLayout(0, io))
+        o = gl.load(O + h * D + (start + io_rows)[:, None] * stride_o + io_cols[None, :],
+                    mask=(io_rows < seq_len)[:, None], other=0.0).to(gl.float32)
+        do = do_smem.index(wg).load(io).to(gl.float32)
+        delta = gl.convert_layout(gl.sum(o * do, 1), gl.SliceLayout(1, s_layout))
+        gl.store(DELTA + (start + rows) * H + h, delta, mask=row_ok)
+        lse = gl.load(LSE2 + (start + rows) * H + h, mask=row_ok, other=float("inf"))
+    q_w = q_smem.index(wg)
+    do_w = do_smem.index(wg)
+    dq = gl.zeros([WG_M, D], gl.float32, acc_layout)
+    for j in range(n_tiles):
+        stage = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(k_ready.index(stage), phase)
+        s_tok = warpgroup_mma(q_w, k_ring.index(stage).permute((1, 0)),
+                              gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(stage), phase)
+        dp_tok = warpgroup_mma(do_w, v_ring.index(stage).permute((1, 0)),
+                               gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=[s_tok])
+        keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        allowed = _allowed(rows[:, None], keys[None, :], seq_len, history, CAUSAL, HAS_TARGETS)
+        if ACTIVATION == 0:
+            p = gl.exp2(s * qk_scale - lse[:, None])
+            if j >= n_full:
+                p = gl.where(allowed, p, 0.0)
+            dp = warpgroup_mma_wait(0, deps=[dp_tok])
+            ds = p * (dp - delta[:, None])
+        else:
+            _, g = _pointwise_and_grad(s * scale, ACTIVATION)
+            g = g * inv_norm
+            if j >= n_full:
+                g = gl.where(allowed, g, 0.0)
+            dp = warpgroup_mma_wait(0, deps=[dp_tok])
+            ds = dp * g
+        dq_tok = warpgroup_mma(gl.convert_layout(ds.to(k_ring.dtype), op_layout), k_ring.index(stage), dq,
+                               is_async=True)
+        dq = warpgroup_mma_wait(0, deps=[dq_tok])
+        mbarrier.arrive(empty.index(stage), count=1)
+    o_rows = m0 + wg * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
+    gl.store(DQ + h * D + (start + o_rows)[:, None] * stride_t + cols[None, :],
+             (dq * scale).to(DQ.dtype.element_ty), mask=(o_rows < seq_len)[:, None])
+
+
+@gluon.jit
+def _dq_second_consumer(q_smem, do_smem, k_ring, v_ring, qdo_bar, k_ready, v_ready, empty, q_desc, do_desc,
+                        k_desc, v_desc, DQ, O, LSE2, DELTA, start, seq_len, history, m0, h, H, stride_t,
+                        stride_o, scale, qk_scale, inv_norm, n_full, n_tiles, ACTIVATION: gl.constexpr,
+                        CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
+    """Worker partition: the consumer of query rows 64..127 (workers share one signature)."""
+    _dq_consumer(1, q_smem, do_smem, k_ring, v_ring, qdo_bar, k_ready, v_ready, empty, DQ, O, LSE2, DELTA,
+                 start, seq_len, history, m0, h, H, stride_t, stride_o, scale, qk_scale, inv_norm, n_full,
+                 n_tiles, ACTIVATION, CAUSAL, HAS_TARGETS)
+
+
+@gluon.jit
+def _dq_producer(q_smem, do_smem, k_ring, v_ring, qdo_bar, k_ready, v_ready, empty, q_desc, do_desc,
+                 k_desc, v_desc, DQ, O, LSE2, DELTA, start, seq_len, history, m0, h, H, stride_t, stride_o,
+                 scale, qk_scale, inv_norm, n_full, n_tiles, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
+                 HAS_TARGETS: gl.constexpr):
+    """Worker partition, one warp: both halves of Q and dO once, then K/V tiles into the ring."""
+    WG_M: gl.constexpr = q_smem.type.shape[1]
+    STAGES: gl.constexpr = k_ring.type.shape[0]
+    BLOCK_N: gl.constexpr = k_ring.type.shape[1]
+    D: gl.constexpr = k_ring.type.shape[2]
+    col = h * D
+    mbarrier.expect(qdo_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
+    for half in gl.static_range(2):
+        _tma_load(q_desc, [start + m0 + half * WG_M, col], qdo_bar, q_smem.index(half))
+        _tma_load(do_desc, [start + m0 + half * WG_M, col], qdo_bar, do_smem.index(half))
+    for j in range(n_tiles):
+        stage = j % STAGES
+        mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)   # fresh barriers: passes
+        row = start + j * BLOCK_N
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        _tma_load(k_desc, [row, col], k_ready.index(stage), k_ring.index(stage))
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        _tma_load(v_desc, [row, col], v_ready.index(stage), v_ring.index(stage))
+
+
+@gluon.jit
+def _jagged_attn_bwd_dq_hopper(q_desc, do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, offsets, num_targets,
+                               stride_t, stride_o, H, scale, qk_scale, inv_norm, STAGES: gl.constexpr,
+                               ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
+    """Grid (B·H, cdiv(max_len, 128)), heaviest query tiles first. Descriptors over (T, H·D) row
+    views: q / dO in (64, D) blocks, k / v in (BLOCK_N, D). DQ (T, H, D) with row stride
+    stride_t; O (T, H, D) with row stride stride_o (softmax only); LSE2, DELTA (T, H) float32."""
+    BLOCK_M: gl.constexpr = 2 * q_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    pid_bh = gl.program_id(0)
+    b = pid_bh // H
+    h = pid_bh % H
+    m0 = (gl.num_programs(1) - 1 - gl.program_id(1)) * BLOCK_M
+    start = gl.load(offsets + b).to(gl.int32)
+    seq_len = gl.load(offsets + b + 1).to(gl.int32) - start
+    history = seq_len
+    if HAS_TARGETS:
+        history = seq_len - gl.load(num_targets + b).to(gl.int32)
+    if m0 < seq_len:
+        if CAUSAL:   # whole visible key tiles, then the masked ones up to the diagonal
+            n_full = gl.minimum(m0, history) // BLOCK_N
+            n_tiles = gl.cdiv(gl.minimum(m0 + BLOCK_M, seq_len), BLOCK_N)
+        else:
+            n_full = seq_len // BLOCK_N
+            n_tiles = gl.cdiv(seq_len, BLOCK_N)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        do_smem = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
+        k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        qdo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(qdo_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)        # both consumers release a slot
+        # the argument tuples are written out: a tuple bound to a name first loses its constexprs
+        gl.warp_specialize([
+            (_dq_consumer, (0, q_smem, do_smem, k_ring, v_ring, qdo_bar, k_ready, v_ready, empty, DQ, O,
+                            LSE2, DELTA, start, seq_len, history, m0, h, H, stride_t, stride_o, scale,
+                            qk_scale, inv_norm, n_full, n_tiles, ACTIVATION, CAUSAL, HAS_TARGETS)),
+            (_dq_second_consumer, (q_smem, do_smem, k_ring, v_ring, qdo_bar, k_ready, v_ready, empty, q_desc,
+                                   do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, start, seq_len, history, m0,
+                                   h, H, stride_t, stride_o, scale, qk_scale, inv_norm, n_full, n_tiles,
+                                   ACTIVATION, CAUSAL, HAS_TARGETS)),
+            (_dq_producer, (q_smem, do_smem, k_ring, v_ring, qdo_bar, k_ready, v_ready, empty, q_desc, do_desc,
+                            k_desc, v_desc, DQ, O, LSE2, DELTA, start, seq_len, history, m0, h, H, stride_t,
+                            stride_o, scale, qk_scale, inv_norm, n_full, n_tiles, ACTIVATION, CAUSAL,
+                            HAS_TARGETS)),
+        ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+
+
+# --------------------------------------------------------------------------- dK/dV
+@gluon.jit
+def _dkdv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_bar, q_ready, do_ready, empty,
+                   DK, DV, LSE2, DELTA, start, seq_len, history, n0, h, H, stride_t, scale, qk_scale,
+                   inv_norm, i0, n_iters, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
+                   HAS_TARGETS: gl.constexpr):
+    """Key rows [n0 + 64·wg, +64) against query tiles i0 .. i0 + n_iters - 1."""
+    WG_N: gl.constexpr = k_smem.type.shape[1]
+    STAGES: gl.constexpr = q_ring.type.shape[0]
+    BLOCK_M: gl.constexpr = q_ring.type.shape[1]
+    D: gl.constexpr = k_smem.type.shape[2]
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    k_w = k_smem.index(wg)
+    v_w = v_smem.index(wg)
+    key0 = n0 + wg * WG_N
+    keys = key0 + gl.arange(0, WG_N, layout=gl.SliceLayout(1, st_layout))
+    dk = gl.zeros([WG_N, D], gl.float32, acc_layout)
+    dv = gl.zeros([WG_N, D], gl.float32, acc_layout)
+    mbarrier.wait(kv_bar, 0)
+    for it in range(n_iters):
+        m0 = (i0 + it) * BLOCK_M
+        stage = it % STAGES
+        phase = (it // STAGES) & 1
+        queries = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+        q_ok = queries < seq_len
+        if ACTIVATION == 0:
+            lse = gl.load(LSE2 + (start + queries) * H + h, mask=q_ok, other=float("inf"))
+            delta = gl.load(DELTA + (start + queries) * H + h, mask=q_ok, other=0.0)
+        mbarrier.wait(q_ready.index(stage), phase)
+        st_tok = warpgroup_mma(k_w, q_ring.index(stage).permute((1, 0)),
+                               gl.zeros([WG_N, BLOCK_M], gl.float32, st_layout), use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(stage), phase)
+        dpt_tok = warpgroup_mma(v_w, do_ring.index(stage).permute((1, 0)),
+                                gl.zeros([WG_N, BLOCK_M], gl.float32, st_layout), use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(1, deps=[st_tok])
+        # masked: the sequence's last query tile; causal, the diagonal's; with targets, candidates'
+        masked = m0 + BLOCK_M > seq_len
+        if CAUSAL:
+            masked = masked | (m0 < key0 + WG_N)
+            if HAS_TARGETS:
+                masked = masked | (m0 + BLOCK_M > history)
+        allowed = _allowed(queries[None, :], keys[:, None], seq_len, history, CAUSAL, HAS_TARGETS) & q_ok[None, :]
+        if ACTIVATION == 0:
+            pt = gl.exp2(st * qk_scale - lse[None, :])
+            if masked:
+                pt = gl.where(allowed, pt, 0.0)
+        else:
+            pt, gt = _pointwise_and_grad(st * scale, ACTIVATION)
+            pt = pt * inv_norm
+            gt = gt * inv_norm
+            if masked:
+                pt = gl.where(allowed, pt, 0.0)
+                gt = gl.where(allowed, gt, 0.0)
+        dv_tok = warpgroup_mma(gl.convert_layout(pt.to(k_smem.dtype), op_layout), do_ring.index(stage), dv,
+                               is_async=True)
+        dpt = warpgroup_mma_wait(1, deps=[dpt_tok])
+        if ACTIVATION == 0:
+            dst = pt * (dpt - delta[None, :])
+        else:
+            dst = dpt * gt
+        dk_tok = warpgroup_mma(gl.convert_layout(dst.to(k_smem.dtype), op_layout), q_ring.index(stage), dk,
+                               is_async=True)
+        dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
+        mbarrier.arrive(empty.index(stage), count=1)
+    rows = key0 + gl.arange(0, WG_N, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
+    offs = h * D + (start + rows)[:, None] * stride_t + cols[None, :]
+    ok = (rows < seq_len)[:, None]
+    gl.store(DK + offs, (dk * scale).to(DK.dtype.element_ty), mask=ok)
+    gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=ok)
+
+
+@gluon.jit
+def _dkdv_second_consumer(k_smem, v_smem, q_ring, do_ring, kv_bar, q_ready, do_ready, empty, k_desc, v_desc,
+                          q_desc, do_desc, DK, DV, LSE2, DELTA, start, seq_len, history, n0, h, H, stride_t,
+                          scale, qk_scale, inv_norm, i0, n_iters, ACTIVATION: gl.constexpr,
+                          CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
+    """Worker partition: the consumer of key rows 64..127 (workers share one signature)."""
+    _dkdv_consumer(1, k_smem, v_smem, q_ring, do_ring, kv_bar, q_ready, do_ready, empty, DK, DV, LSE2, DELTA,
+                   start, seq_len, history, n0, h, H, stride_t, scale, qk_scale, inv_norm, i0, n_iters,
+                   ACTIVATION, CAUSAL, HAS_TARGETS)
+
+
+@gluon.jit
+def _dkdv_producer(k_smem, v_smem, q_ring, do_ring, kv_bar, q_ready, do_ready, empty, k_desc, v_desc,
+                   q_desc, do_desc, DK, DV, LSE2, DELTA, start, seq_len, history, n0, h, H, stride_t,
+                   scale, qk_scale, inv_norm, i0, n_iters, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
+                   HAS_TARGETS: gl.constexpr):
+    """Worker partition, one warp: both K/V halves once, then Q and dO tiles into the ring."""
+    WG_N: gl.constexpr = k_smem.type.shape[1]
+    STAGES: gl.constexpr = q_ring.type.shape[0]
+    BLOCK_M: gl.constexpr = q_ring.type.shape[1]
+    D: gl.constexpr = k_smem.type.shape[2]
+    col = h * D
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    for half in gl.static_range(2):
+        _tma_load(k_desc, [start + n0 + half * WG_N, col], kv_bar, k_smem.index(half))
+        _tma_load(v_desc, [start + n0 + half * WG_N, col], kv_bar, v_smem.index(half))
+    for it in range(n_iters):
+        stage = it % STAGES
+        mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)   # fresh barriers: passes
+        row = start + (i0 + it) * BLOCK_M
+        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+        _tma_load(q_desc, [row, col], q_ready.index(stage), q_ring.index(stage))
+        mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
+        _tma_load(do_desc, [row, col], do_ready.index(stage), do_ring.index(stage))
+
+
+@gluon.jit
+def _jagged_attn_bwd_dkdv_hopper(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, offsets, num_targets,
+                                 stride_t, H, scale, qk_scale, inv_norm, STAGES: gl.constexpr,
+                                 ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
+    """Grid (B·H, cdiv(max_len, 128)), the key tiles seen by the most queries first. Descriptors
+    over (T, H·D) row views: k / v in (64, D) blocks, q / dO in (BLOCK_M, D). DK, DV (T, H, D)
+    with row stride stride_t; LSE2, DELTA (T, H) float32 (softmax only)."""
+    WG_N: gl.constexpr = k_desc.block_type.shape[0]
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    pid_bh = gl.program_id(0)
+    b = pid_bh // H
+    h = pid_bh % H
+    n0 = gl.program_id(1) * (2 * WG_N)
+    start = gl.load(offsets + b).to(gl.int32)
+    seq_len = gl.load(offsets + b + 1).to(gl.int32) - start
+    history = seq_len
+    if HAS_TARGETS:
+        history = seq_len - gl.load(num_targets + b).to(gl.int32)
+    if n0 < seq_len:
+        i0 = 0
+        i_end = gl.cdiv(seq_len, BLOCK_M)
+        if CAUSAL:
+            i0 = n0 // BLOCK_M                     # queries from the key tile's first row on
+            if HAS_TARGETS:
+                if n0 >= history:                  # candidates' keys: each seen by its own row only
+                    i_end = gl.cdiv(gl.minimum(n0 + 2 * WG_N, seq_len), BLOCK_M)
+        n_iters = i_end - i0
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+        q_ring = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+        do_ring = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(do_ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)        # both consumers release a slot
+        gl.warp_specialize([
+            (_dkdv_consumer, (0, k_smem, v_smem, q_ring, do_ring, kv_bar, q_ready, do_ready, empty, DK, DV,
+                              LSE2, DELTA, start, seq_len, history, n0, h, H, stride_t, scale, qk_scale,
+                              inv_norm, i0, n_iters, ACTIVATION, CAUSAL, HAS_TARGETS)),
+            (_dkdv_second_consumer, (k_smem, v_smem, q_ring, do_ring, kv_bar, q_ready, do_ready, empty, k_desc,
+                                     v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, start, seq_len, history,
+                                     n0, h, H, stride_t, scale, qk_scale, inv_norm, i0, n_iters, ACTIVATION,
+                                     CAUSAL, HAS_TARGETS)),
+            (_dkdv_producer, (k_smem, v_smem, q_ring, do_ring, kv_bar, q_ready, do_ready, empty, k_desc, v_desc,
+                              q_desc, do_desc, DK, DV, LSE2, DELTA, start, seq_len, history, n0, h, H,
+                              stride_t, scale, qk_scale, inv_norm, i0, n_iters, ACTIVATION, CAUSAL,
+                              HAS_TARGETS)),
+        ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+
+
+# --------------------------------------------------------------------------- host side
+def gluon_backward_applies(q, k, v, offsets, kv_offsets, num_targets, causal: bool, window_left: int,
+                           window_right: int) -> bool:
+    """Whether the Triton backend's backward should run here: an sm_90 GPU, inputs in the
+    forward's scope, a mean length of at least MIN_MEAN_LEN, and neither GEMCORE_GLUON_ATTENTION
+    nor GEMCORE_GLUON_ATTENTION_BWD set to 0."""
+    if "0" in (os.environ.get("GEMCORE_GLUON_ATTENTION", "1"), os.environ.get("GEMCORE_GLUON_ATTENTION_BWD", "1")):
+        return False
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    if unsupported_reason(q, k, v, offsets, kv_offsets, num_targets, causal, window_left, window_right):
+        return False
+    return q.shape[0] >= MIN_MEAN_LEN * (offsets.numel() - 1)
+
+
+def _row_view(x: torch.Tensor) -> torch.Tensor:
+    """x (T, H, D) itself if its heads are packed rows with a 16-byte aligned start and row stride
+    (what TMA reads), else a contiguous copy."""
+    T, H, D = x.shape
+    if x.stride(2) == 1 and x.stride(1) == D and x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0:
+        return x
+    return x.contiguous()
+
+
+def _descriptor(x: torch.Tensor, rows: int):
+    """TMA descriptor over x's (T, H·D) row view, blocks of (rows, D)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    T, H, D = x.shape
+    layout = gl.NVMMASharedLayout.get_default_for([rows, D], _DTYPES[x.dtype])
+    return TensorDescriptor(x, [T, H * D], [x.stride(0), 1], [rows, D], layout)
+
+
+def jagged_attention_bwd_hopper(do, q, k, v, out, lse2, offsets, activation: str, causal: bool, scale: float,
+                                inv_norm: float, max_seqlen: int, num_targets=None):
+    """(dq, dk, dv), each (T, H, D) contiguous in q's dtype, of the Gluon / Triton forward's
+    (out, lse2). Inputs as :func:`jagged_attention_gluon.unsupported_reason` accepts; do (T, H, D)
+    any layout; offsets (B+1,) int64 and num_targets (B,) int64 (causal only) on the GPU."""
+    T, H, D = q.shape
+    B = offsets.numel() - 1
+    dq, dk, dv = (torch.empty(T, H, D, device=q.device, dtype=q.dtype) for _ in range(3))
+    if B * H == 0 or T == 0 or max_seqlen == 0:
+        return dq, dk, dv
+    do = _row_view(do)
+    softmax = activation == "softmax"
+    if softmax:
+        out = _row_view(out)
+    delta = torch.empty(T if softmax else 0, H, device=q.device, dtype=torch.float32)
+    qk_scale = scale * 1.4426950408889634
+    flags = dict(ACTIVATION=ACTIVATION_CODES[activation], CAUSAL=bool(causal),
+                 HAS_TARGETS=num_targets is not None, num_warps=4, maxnreg=MAXNREG)
+    targets = offsets if num_targets is None else num_targets
+    rows, slot, stages = DQ_TILE
+    _jagged_attn_bwd_dq_hopper[(B * H, math.ceil(max_seqlen / rows))](
+        _descriptor(q, rows // 2), _descriptor(do, rows // 2), _descriptor(k, slot), _descriptor(v, slot),
+        dq, out, lse2, delta, offsets, targets, dq.stride(0), out.stride(0), H, scale, qk_scale, inv_norm,
+        STAGES=stages, **flags)
+    rows, slot, stages = DKDV_TILE
+    _jagged_attn_bwd_dkdv_hopper[(B * H, math.ceil(max_seqlen / rows))](
+        _descriptor(k, rows // 2), _descriptor(v, rows // 2), _descriptor(q, slot), _descriptor(do, slot),
+        dk, dv, lse2, delta, offsets, targets, dk.stride(0), H, scale, qk_scale, inv_norm,
+        STAGES=stages, **flags)
+    return dq, dk, dv
