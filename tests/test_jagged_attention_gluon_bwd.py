@@ -53,7 +53,10 @@ def _check_gradients(q, k, v, offsets, activation, causal, num_targets=None, do=
     wants = torch.autograd.grad(want, (q64, k64, v64), do.double())
     for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), wants):
         assert got.dtype == q.dtype and got.shape == q.shape and got.is_contiguous()
-        assert _rel_err(got, ref) < tol, (name, _rel_err(got, ref))
+        # relative, with a floor: a batch of length-1 sequences has dq = 0 exactly (softmax over one
+        # key), which the kernel meets only to float32 rounding of dP − delta
+        err = float((got.double() - ref).norm())
+        assert err <= tol * float(ref.norm()) + 1e-4 * got.numel() ** 0.5, (name, err, float(ref.norm()))
 
 
 @pytest.mark.parametrize("activation,causal,targets,dtype,head_dim", [
