@@ -1,6 +1,6 @@
 """Hopper forward of jagged self-attention in Gluon (Triton's low-level dialect), warp-specialized
-as FlashAttention-3 describes it; the backward stays with the Triton kernels, which read this
-forward's output and base-2 log-sum-exp in the same layout.
+as FlashAttention-3 describes it; the backward (``jagged_attention_gluon_bwd`` on Hopper, else the
+Triton kernels) reads this forward's output and base-2 log-sum-exp in the Triton forward's layout.
 
 One CTA per (sequence, head, 128 query rows), heaviest query tiles first:
 - a producer warp loads the query tile once and key/value tiles through TMA into a ring of slots
