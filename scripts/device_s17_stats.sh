@@ -15,3 +15,5 @@ for w in dense95 heavytail; do
     echo "== $a $w rc=$?"; grep -E "gemcore|varlen|Error" "$OUT/bench_${a}_$w.txt"
   done
 done
+# the backward's ring depths, backward alone (scripts/gluon_bwd_sweep.py)
+cd scripts && timeout 150 python3 gluon_bwd_sweep.py --budget-s 120 2>&1 | grep -vE "leaked|nanobind|^ - " | tail -30
