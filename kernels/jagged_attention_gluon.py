@@ -78,6 +78,45 @@ def _pointwise(x, ACTIVATION: gl.constexpr):
 
 
 @gluon.jit
+def _sequence(offsets, num_targets, b, HAS_TARGETS: gl.constexpr):
+    """(start, seq_len, history) of sequence b; its rows from ``history`` on are candidates."""
+    start = gl.load(offsets + b).to(gl.int32)
+    seq_len = gl.load(offsets + b + 1).to(gl.int32) - start
+    history = seq_len
+    if HAS_TARGETS:
+        history = seq_len - gl.load(num_targets + b).to(gl.int32)
+    return start, seq_len, history
+
+
+@gluon.jit
+def _key_tiles(m0, seq_len, history, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(n_full, n_tiles) of query rows [m0, m0 + BLOCK_M): key tiles below n_full are visible to
+    every row whole; the rest, up to the diagonal (causal; with targets a candidate's own key lies
+    past the history) or the sequence's end, are masked."""
+    if CAUSAL:
+        n_full = gl.minimum(m0, history) // BLOCK_N
+        n_tiles = gl.cdiv(gl.minimum(m0 + BLOCK_M, seq_len), BLOCK_N)
+    else:
+        n_full = seq_len // BLOCK_N
+        n_tiles = gl.cdiv(seq_len, BLOCK_N)
+    return n_full, n_tiles
+
+
+@gluon.jit
+def _ring_barriers(STAGES: gl.constexpr):
+    """(first_ready, second_ready, empty), STAGES mbarriers each, initialised: a ring slot's two
+    TMA loads signal on the ready ones; both consumer warpgroups release it on empty (count 2)."""
+    first_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    second_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(first_ready.index(i), count=1)
+        mbarrier.init(second_ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    return first_ready, second_ready, empty
+
+
+@gluon.jit
 def _allowed(rows, keys, seq_len, history, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
     """Which (row, key) pairs attend, for broadcastable index tensors: causal, key <= row, and
     with targets (key < history or key == row): rows from ``history`` on are candidates; full,
@@ -225,32 +264,15 @@ def _jagged_attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE2, offsets, num_target
     b = pid_bh // H
     h = pid_bh % H
     m0 = (gl.num_programs(1) - 1 - gl.program_id(1)) * _BLOCK_M
-    start = gl.load(offsets + b).to(gl.int32)
-    seq_len = gl.load(offsets + b + 1).to(gl.int32) - start
-    history = seq_len
-    if HAS_TARGETS:
-        history = seq_len - gl.load(num_targets + b).to(gl.int32)
+    start, seq_len, history = _sequence(offsets, num_targets, b, HAS_TARGETS)
     if m0 < seq_len:
-        if CAUSAL:
-            # wholly visible key tiles (before the diagonal and before the candidates), then the
-            # masked rest up to the diagonal: with targets, a candidate's own key lies past the history
-            n_full = gl.minimum(m0, history) // BLOCK_N
-            n_tiles = gl.cdiv(gl.minimum(m0 + _BLOCK_M, seq_len), BLOCK_N)
-        else:
-            n_full = seq_len // BLOCK_N            # whole key tiles, then the sequence's last part
-            n_tiles = gl.cdiv(seq_len, BLOCK_N)
+        n_full, n_tiles = _key_tiles(m0, seq_len, history, _BLOCK_M, BLOCK_N, CAUSAL)
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
         k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=2)     # both consumers release a slot
+        k_ready, v_ready, kv_empty = _ring_barriers(STAGES)
         # the argument tuples are written out: a tuple bound to a name first loses its constexprs
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty, O, LSE2, start,

@@ -26,7 +26,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from gemcore.kernels.jagged_attention_gluon import _DTYPES, _allowed, _tanh_fast, _tma_load, unsupported_reason
+from gemcore.kernels.jagged_attention_gluon import (_DTYPES, _allowed, _key_tiles, _ring_barriers, _sequence,
+                                                    _tanh_fast, _tma_load, unsupported_reason)
 from gemcore.kernels.jagged_attention_triton_common import ACTIVATION_CODES
 
 #: (rows per CTA, rows per ring slot, ring slots) of the two kernels. dQ: 128 query rows, 64-row
@@ -188,31 +189,16 @@ def _jagged_attn_bwd_dq_hopper(q_desc, do_desc, k_desc, v_desc, DQ, O, LSE2, STA
     b = pid_bh // H
     h = pid_bh % H
     m0 = (gl.num_programs(1) - 1 - gl.program_id(1)) * BLOCK_M
-    start = gl.load(offsets + b).to(gl.int32)
-    seq_len = gl.load(offsets + b + 1).to(gl.int32) - start
-    history = seq_len
-    if HAS_TARGETS:
-        history = seq_len - gl.load(num_targets + b).to(gl.int32)
+    start, seq_len, history = _sequence(offsets, num_targets, b, HAS_TARGETS)
     if m0 < seq_len:
-        if CAUSAL:   # whole visible key tiles, then the masked ones up to the diagonal
-            n_full = gl.minimum(m0, history) // BLOCK_N
-            n_tiles = gl.cdiv(gl.minimum(m0 + BLOCK_M, seq_len), BLOCK_N)
-        else:
-            n_full = seq_len // BLOCK_N
-            n_tiles = gl.cdiv(seq_len, BLOCK_N)
+        n_full, n_tiles = _key_tiles(m0, seq_len, history, BLOCK_M, BLOCK_N, CAUSAL)
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
         do_smem = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
         k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
         qdo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(qdo_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)        # both consumers release a slot
+        k_ready, v_ready, empty = _ring_barriers(STAGES)
         # the argument tuples are written out: a tuple bound to a name first loses its constexprs
         gl.warp_specialize([
             (_dq_consumer, (0, q_smem, do_smem, k_ring, v_ring, qdo_bar, k_ready, v_ready, empty, DQ, O,
@@ -362,11 +348,7 @@ def _jagged_attn_bwd_dkdv_hopper(k_desc, v_desc, q_desc, do_desc, stats_desc, DK
     b = pid_bh // H
     h = pid_bh % H
     n0 = gl.program_id(1) * (2 * WG_N)
-    start = gl.load(offsets + b).to(gl.int32)
-    seq_len = gl.load(offsets + b + 1).to(gl.int32) - start
-    history = seq_len
-    if HAS_TARGETS:
-        history = seq_len - gl.load(num_targets + b).to(gl.int32)
+    start, seq_len, history = _sequence(offsets, num_targets, b, HAS_TARGETS)
     if n0 < seq_len:
         i0 = 0
         i_end = gl.cdiv(seq_len, BLOCK_M)
@@ -385,14 +367,8 @@ def _jagged_attn_bwd_dkdv_hopper(k_desc, v_desc, q_desc, do_desc, stats_desc, DK
         delta_ring = gl.allocate_shared_memory(stats_desc.dtype, [STAGES] + stats_desc.block_type.shape,
                                                stats_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(q_ready.index(i), count=1)
-            mbarrier.init(do_ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)        # both consumers release a slot
+        q_ready, do_ready, empty = _ring_barriers(STAGES)
         gl.warp_specialize([
             (_dkdv_consumer, (0, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, kv_bar, q_ready, do_ready,
                               empty, DK, DV, start, seq_len, history, n0, h, H, stride_t, scale, qk_scale,
