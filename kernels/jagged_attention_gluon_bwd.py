@@ -72,7 +72,7 @@ def _pointwise_and_grad(x, ACTIVATION: gl.constexpr):
 # --------------------------------------------------------------------------- dQ
 @gluon.jit
 def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, qdo_bar, k_ready, v_ready, empty,
-                 DQ, O, LSE2, STATS, stride_s, start, seq_len, history, m0, h, H, stride_t, stride_o, scale, qk_scale,
+                 DQ, O, LSE2, DELTA, start, seq_len, history, m0, h, H, stride_t, stride_o, scale, qk_scale,
                  inv_norm, n_full, n_tiles, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
                  HAS_TARGETS: gl.constexpr):
     """Query rows [m0 + 64·wg, +64) against key tiles 0 .. n_tiles - 1; tiles from n_full on masked."""
@@ -89,8 +89,7 @@ def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, qdo_bar, k_r
     row_ok = rows < seq_len
     mbarrier.wait(qdo_bar, 0)
     if ACTIVATION == 0:
-        # delta = rowsum(dO·O) of these rows; it and the LSE go to the dK/dV kernel as rows of
-        # STATS, which it reads through TMA
+        # delta = rowsum(dO·O) of these rows, stored for the dK/dV kernel
         io: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         io_rows = m0 + wg * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, io))
         io_cols = gl.arange(0, D, layout=gl.SliceLayout(0, io))
@@ -98,9 +97,8 @@ def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, qdo_bar, k_r
                     mask=(io_rows < seq_len)[:, None], other=0.0).to(gl.float32)
         do = do_smem.index(wg).load(io).to(gl.float32)
         delta = gl.convert_layout(gl.sum(o * do, 1), gl.SliceLayout(1, s_layout))
+        gl.store(DELTA + (start + rows) * H + h, delta, mask=row_ok)
         lse = gl.load(LSE2 + (start + rows) * H + h, mask=row_ok, other=float("inf"))
-        gl.store(STATS + h * stride_s + start + rows, lse, mask=row_ok)
-        gl.store(STATS + (H + h) * stride_s + start + rows, delta, mask=row_ok)
     q_w = q_smem.index(wg)
     do_w = do_smem.index(wg)
     dq = gl.zeros([WG_M, D], gl.float32, acc_layout)
@@ -141,20 +139,20 @@ def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, qdo_bar, k_r
 
 @gluon.jit
 def _dq_second_consumer(q_smem, do_smem, k_ring, v_ring, qdo_bar, k_ready, v_ready, empty, q_desc, do_desc,
-                        k_desc, v_desc, DQ, O, LSE2, STATS, stride_s, start, seq_len, history, m0, h, H,
-                        stride_t, stride_o, scale, qk_scale, inv_norm, n_full, n_tiles, ACTIVATION: gl.constexpr,
+                        k_desc, v_desc, DQ, O, LSE2, DELTA, start, seq_len, history, m0, h, H, stride_t,
+                        stride_o, scale, qk_scale, inv_norm, n_full, n_tiles, ACTIVATION: gl.constexpr,
                         CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
     """Worker partition: the consumer of query rows 64..127 (workers share one signature)."""
-    _dq_consumer(1, q_smem, do_smem, k_ring, v_ring, qdo_bar, k_ready, v_ready, empty, DQ, O, LSE2, STATS,
-                 stride_s, start, seq_len, history, m0, h, H, stride_t, stride_o, scale, qk_scale, inv_norm, n_full,
+    _dq_consumer(1, q_smem, do_smem, k_ring, v_ring, qdo_bar, k_ready, v_ready, empty, DQ, O, LSE2, DELTA,
+                 start, seq_len, history, m0, h, H, stride_t, stride_o, scale, qk_scale, inv_norm, n_full,
                  n_tiles, ACTIVATION, CAUSAL, HAS_TARGETS)
 
 
 @gluon.jit
 def _dq_producer(q_smem, do_smem, k_ring, v_ring, qdo_bar, k_ready, v_ready, empty, q_desc, do_desc,
-                 k_desc, v_desc, DQ, O, LSE2, STATS, stride_s, start, seq_len, history, m0, h, H, stride_t,
-                 stride_o, scale, qk_scale, inv_norm, n_full, n_tiles, ACTIVATION: gl.constexpr,
-                 CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
+                 k_desc, v_desc, DQ, O, LSE2, DELTA, start, seq_len, history, m0, h, H, stride_t, stride_o,
+                 scale, qk_scale, inv_norm, n_full, n_tiles, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
+                 HAS_TARGETS: gl.constexpr):
     """Worker partition, one warp: both halves of Q and dO once, then K/V tiles into the ring."""
     WG_M: gl.constexpr = q_smem.type.shape[1]
     STAGES: gl.constexpr = k_ring.type.shape[0]
@@ -176,13 +174,12 @@ def _dq_producer(q_smem, do_smem, k_ring, v_ring, qdo_bar, k_ready, v_ready, emp
 
 
 @gluon.jit
-def _jagged_attn_bwd_dq_hopper(q_desc, do_desc, k_desc, v_desc, DQ, O, LSE2, STATS, offsets, num_targets,
-                               stride_t, stride_o, stride_s, H, scale, qk_scale, inv_norm, STAGES: gl.constexpr,
+def _jagged_attn_bwd_dq_hopper(q_desc, do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, offsets, num_targets,
+                               stride_t, stride_o, H, scale, qk_scale, inv_norm, STAGES: gl.constexpr,
                                ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
     """Grid (B·H, cdiv(max_len, 128)), heaviest query tiles first. Descriptors over (T, H·D) row
     views: q / dO in (64, D) blocks, k / v in (BLOCK_N, D). DQ (T, H, D) with row stride
-    stride_t; O (T, H, D) with row stride stride_o, LSE2 (T, H) float32 and STATS (2H, ≥ T)
-    float32 with row stride stride_s (written: LSE in row h, delta in row H + h), softmax only."""
+    stride_t; O (T, H, D) with row stride stride_o (softmax only); LSE2, DELTA (T, H) float32."""
     BLOCK_M: gl.constexpr = 2 * q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     pid_bh = gl.program_id(0)
@@ -202,25 +199,25 @@ def _jagged_attn_bwd_dq_hopper(q_desc, do_desc, k_desc, v_desc, DQ, O, LSE2, STA
         # the argument tuples are written out: a tuple bound to a name first loses its constexprs
         gl.warp_specialize([
             (_dq_consumer, (0, q_smem, do_smem, k_ring, v_ring, qdo_bar, k_ready, v_ready, empty, DQ, O,
-                            LSE2, STATS, stride_s, start, seq_len, history, m0, h, H, stride_t, stride_o, scale,
+                            LSE2, DELTA, start, seq_len, history, m0, h, H, stride_t, stride_o, scale,
                             qk_scale, inv_norm, n_full, n_tiles, ACTIVATION, CAUSAL, HAS_TARGETS)),
             (_dq_second_consumer, (q_smem, do_smem, k_ring, v_ring, qdo_bar, k_ready, v_ready, empty, q_desc,
-                                   do_desc, k_desc, v_desc, DQ, O, LSE2, STATS, stride_s, start, seq_len,
-                                   history, m0,
+                                   do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, start, seq_len, history, m0,
                                    h, H, stride_t, stride_o, scale, qk_scale, inv_norm, n_full, n_tiles,
                                    ACTIVATION, CAUSAL, HAS_TARGETS)),
             (_dq_producer, (q_smem, do_smem, k_ring, v_ring, qdo_bar, k_ready, v_ready, empty, q_desc, do_desc,
-                            k_desc, v_desc, DQ, O, LSE2, STATS, stride_s, start, seq_len, history, m0, h, H,
-                            stride_t, stride_o, scale, qk_scale, inv_norm, n_full, n_tiles, ACTIVATION, CAUSAL,
+                            k_desc, v_desc, DQ, O, LSE2, DELTA, start, seq_len, history, m0, h, H, stride_t,
+                            stride_o, scale, qk_scale, inv_norm, n_full, n_tiles, ACTIVATION, CAUSAL,
                             HAS_TARGETS)),
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
 # --------------------------------------------------------------------------- dK/dV
 @gluon.jit
-def _dkdv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, kv_bar, q_ready,
-                   do_ready, empty, DK, DV, start, seq_len, history, n0, h, H, stride_t, scale, qk_scale, inv_norm,
-                   i0, n_iters, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
+def _dkdv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_bar, q_ready, do_ready, empty,
+                   DK, DV, LSE2, DELTA, start, seq_len, history, n0, h, H, stride_t, scale, qk_scale,
+                   inv_norm, i0, n_iters, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
+                   HAS_TARGETS: gl.constexpr):
     """Key rows [n0 + 64·wg, +64) against query tiles i0 .. i0 + n_iters - 1."""
     WG_N: gl.constexpr = k_smem.type.shape[1]
     STAGES: gl.constexpr = q_ring.type.shape[0]
@@ -244,6 +241,9 @@ def _dkdv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, lse_ring, 
         phase = (it // STAGES) & 1
         queries = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
         q_ok = queries < seq_len
+        if ACTIVATION == 0:
+            lse = gl.load(LSE2 + (start + queries) * H + h, mask=q_ok, other=float("inf"))
+            delta = gl.load(DELTA + (start + queries) * H + h, mask=q_ok, other=0.0)
         mbarrier.wait(q_ready.index(stage), phase)
         st_tok = warpgroup_mma(k_w, q_ring.index(stage).permute((1, 0)),
                                gl.zeros([WG_N, BLOCK_M], gl.float32, st_layout), use_acc=False, is_async=True)
@@ -259,9 +259,6 @@ def _dkdv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, lse_ring, 
                 masked = masked | (m0 + BLOCK_M > history)
         allowed = _allowed(queries[None, :], keys[:, None], seq_len, history, CAUSAL, HAS_TARGETS) & q_ok[None, :]
         if ACTIVATION == 0:
-            # the queries' LSE and delta came with Q through TMA (loaded from global memory here, in
-            # the scores' layout, they would cost 16 pointers a thread each, and spills)
-            lse = gl.max(lse_ring.index(stage).load(st_layout), 0)
             pt = gl.exp2(st * qk_scale - lse[None, :])
             if masked:
                 pt = gl.where(allowed, pt, 0.0)
@@ -276,7 +273,6 @@ def _dkdv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, lse_ring, 
                                is_async=True)
         dpt = warpgroup_mma_wait(1, deps=[dpt_tok])
         if ACTIVATION == 0:
-            delta = gl.max(delta_ring.index(stage).load(st_layout), 0)
             dst = pt * (dpt - delta[None, :])
         else:
             dst = dpt * gt
@@ -293,23 +289,22 @@ def _dkdv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, lse_ring, 
 
 
 @gluon.jit
-def _dkdv_second_consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, kv_bar, q_ready, do_ready, empty,
-                          k_desc, v_desc, q_desc, do_desc, stats_desc, DK, DV, start, seq_len, history, n0, h, H,
-                          stride_t, scale, qk_scale, inv_norm, i0, n_iters, ACTIVATION: gl.constexpr,
+def _dkdv_second_consumer(k_smem, v_smem, q_ring, do_ring, kv_bar, q_ready, do_ready, empty, k_desc, v_desc,
+                          q_desc, do_desc, DK, DV, LSE2, DELTA, start, seq_len, history, n0, h, H, stride_t,
+                          scale, qk_scale, inv_norm, i0, n_iters, ACTIVATION: gl.constexpr,
                           CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
     """Worker partition: the consumer of key rows 64..127 (workers share one signature)."""
-    _dkdv_consumer(1, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, kv_bar, q_ready, do_ready, empty, DK,
-                   DV, start, seq_len, history, n0, h, H, stride_t, scale, qk_scale, inv_norm, i0, n_iters,
+    _dkdv_consumer(1, k_smem, v_smem, q_ring, do_ring, kv_bar, q_ready, do_ready, empty, DK, DV, LSE2, DELTA,
+                   start, seq_len, history, n0, h, H, stride_t, scale, qk_scale, inv_norm, i0, n_iters,
                    ACTIVATION, CAUSAL, HAS_TARGETS)
 
 
 @gluon.jit
-def _dkdv_producer(k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, kv_bar, q_ready, do_ready, empty,
-                   k_desc, v_desc, q_desc, do_desc, stats_desc, DK, DV, start, seq_len, history, n0, h, H,
-                   stride_t, scale, qk_scale, inv_norm, i0, n_iters, ACTIVATION: gl.constexpr,
-                   CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
-    """Worker partition, one warp: both K/V halves once, then Q (with softmax's LSE and delta of
-    its rows) and dO tiles into the ring."""
+def _dkdv_producer(k_smem, v_smem, q_ring, do_ring, kv_bar, q_ready, do_ready, empty, k_desc, v_desc,
+                   q_desc, do_desc, DK, DV, LSE2, DELTA, start, seq_len, history, n0, h, H, stride_t,
+                   scale, qk_scale, inv_norm, i0, n_iters, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
+                   HAS_TARGETS: gl.constexpr):
+    """Worker partition, one warp: both K/V halves once, then Q and dO tiles into the ring."""
     WG_N: gl.constexpr = k_smem.type.shape[1]
     STAGES: gl.constexpr = q_ring.type.shape[0]
     BLOCK_M: gl.constexpr = q_ring.type.shape[1]
@@ -323,25 +318,19 @@ def _dkdv_producer(k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, kv_bar
         stage = it % STAGES
         mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)   # fresh barriers: passes
         row = start + (i0 + it) * BLOCK_M
-        if ACTIVATION == 0:
-            mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + 2 * stats_desc.block_type.nbytes)
-            _tma_load(stats_desc, [h, row], q_ready.index(stage), lse_ring.index(stage))
-            _tma_load(stats_desc, [H + h, row], q_ready.index(stage), delta_ring.index(stage))
-        else:
-            mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
         _tma_load(q_desc, [row, col], q_ready.index(stage), q_ring.index(stage))
         mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
         _tma_load(do_desc, [row, col], do_ready.index(stage), do_ring.index(stage))
 
 
 @gluon.jit
-def _jagged_attn_bwd_dkdv_hopper(k_desc, v_desc, q_desc, do_desc, stats_desc, DK, DV, offsets, num_targets,
+def _jagged_attn_bwd_dkdv_hopper(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, offsets, num_targets,
                                  stride_t, H, scale, qk_scale, inv_norm, STAGES: gl.constexpr,
                                  ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
     """Grid (B·H, cdiv(max_len, 128)), the key tiles seen by the most queries first. Descriptors
-    over (T, H·D) row views: k / v in (64, D) blocks, q / dO in (BLOCK_M, D); stats_desc over the
-    dQ kernel's STATS (2H, ≥ T) in (1, BLOCK_M) blocks (softmax only). DK, DV (T, H, D) with row
-    stride stride_t."""
+    over (T, H·D) row views: k / v in (64, D) blocks, q / dO in (BLOCK_M, D). DK, DV (T, H, D)
+    with row stride stride_t; LSE2, DELTA (T, H) float32 (softmax only)."""
     WG_N: gl.constexpr = k_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     pid_bh = gl.program_id(0)
@@ -362,25 +351,21 @@ def _jagged_attn_bwd_dkdv_hopper(k_desc, v_desc, q_desc, do_desc, stats_desc, DK
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
         q_ring = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
         do_ring = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
-        lse_ring = gl.allocate_shared_memory(stats_desc.dtype, [STAGES] + stats_desc.block_type.shape,
-                                             stats_desc.layout)
-        delta_ring = gl.allocate_shared_memory(stats_desc.dtype, [STAGES] + stats_desc.block_type.shape,
-                                               stats_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
         q_ready, do_ready, empty = _ring_barriers(STAGES)
         gl.warp_specialize([
-            (_dkdv_consumer, (0, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, kv_bar, q_ready, do_ready,
-                              empty, DK, DV, start, seq_len, history, n0, h, H, stride_t, scale, qk_scale,
+            (_dkdv_consumer, (0, k_smem, v_smem, q_ring, do_ring, kv_bar, q_ready, do_ready, empty, DK, DV,
+                              LSE2, DELTA, start, seq_len, history, n0, h, H, stride_t, scale, qk_scale,
                               inv_norm, i0, n_iters, ACTIVATION, CAUSAL, HAS_TARGETS)),
-            (_dkdv_second_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, kv_bar, q_ready,
-                                     do_ready, empty, k_desc, v_desc, q_desc, do_desc, stats_desc, DK, DV, start,
-                                     seq_len, history, n0, h, H, stride_t, scale, qk_scale, inv_norm, i0,
-                                     n_iters, ACTIVATION, CAUSAL, HAS_TARGETS)),
-            (_dkdv_producer, (k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, kv_bar, q_ready, do_ready,
-                              empty, k_desc, v_desc, q_desc, do_desc, stats_desc, DK, DV, start, seq_len,
-                              history, n0, h, H, stride_t, scale, qk_scale, inv_norm, i0, n_iters, ACTIVATION,
-                              CAUSAL, HAS_TARGETS)),
+            (_dkdv_second_consumer, (k_smem, v_smem, q_ring, do_ring, kv_bar, q_ready, do_ready, empty, k_desc,
+                                     v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, start, seq_len, history,
+                                     n0, h, H, stride_t, scale, qk_scale, inv_norm, i0, n_iters, ACTIVATION,
+                                     CAUSAL, HAS_TARGETS)),
+            (_dkdv_producer, (k_smem, v_smem, q_ring, do_ring, kv_bar, q_ready, do_ready, empty, k_desc, v_desc,
+                              q_desc, do_desc, DK, DV, LSE2, DELTA, start, seq_len, history, n0, h, H,
+                              stride_t, scale, qk_scale, inv_norm, i0, n_iters, ACTIVATION, CAUSAL,
+                              HAS_TARGETS)),
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
@@ -417,25 +402,6 @@ def _descriptor(x: torch.Tensor, rows: int):
     return TensorDescriptor(x, [T, H * D], [x.stride(0), 1], [rows, D], layout)
 
 
-def _stats(T: int, H: int, softmax: bool, device) -> torch.Tensor:
-    """The (2H, T_pad) float32 rows the dQ kernel fills with softmax's LSE (rows h) and delta (rows
-    H + h) for the dK/dV kernel; T_pad a multiple of 4 (TMA's 16-byte row stride), the pad zeroed
-    (a query tile that runs past T reads it). A small zero stand-in for the other activations."""
-    if not softmax:
-        return torch.zeros(2 * H, 4, device=device, dtype=torch.float32)
-    stats = torch.empty(2 * H, -(-T // 4) * 4, device=device, dtype=torch.float32)
-    stats[:, T:] = 0
-    return stats
-
-
-def _stats_descriptor(stats: torch.Tensor, rows: int):
-    """TMA descriptor over STATS, blocks of (1, rows)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    layout = gl.NVMMASharedLayout.get_default_for([1, rows], gl.float32)
-    return TensorDescriptor(stats, list(stats.shape), [stats.stride(0), 1], [1, rows], layout)
-
-
 def jagged_attention_bwd_hopper(do, q, k, v, out, lse2, offsets, activation: str, causal: bool, scale: float,
                                 inv_norm: float, max_seqlen: int, num_targets=None):
     """(dq, dk, dv), each (T, H, D) contiguous in q's dtype, of the Gluon / Triton forward's
@@ -450,7 +416,7 @@ def jagged_attention_bwd_hopper(do, q, k, v, out, lse2, offsets, activation: str
     softmax = activation == "softmax"
     if softmax:
         out = _row_view(out)
-    stats = _stats(T, H, softmax, q.device)
+    delta = torch.empty(T if softmax else 0, H, device=q.device, dtype=torch.float32)
     qk_scale = scale * 1.4426950408889634
     flags = dict(ACTIVATION=ACTIVATION_CODES[activation], CAUSAL=bool(causal),
                  HAS_TARGETS=num_targets is not None, num_warps=4, maxnreg=MAXNREG)
@@ -458,11 +424,11 @@ def jagged_attention_bwd_hopper(do, q, k, v, out, lse2, offsets, activation: str
     rows, slot, stages = DQ_TILE
     _jagged_attn_bwd_dq_hopper[(B * H, math.ceil(max_seqlen / rows))](
         _descriptor(q, rows // 2), _descriptor(do, rows // 2), _descriptor(k, slot), _descriptor(v, slot),
-        dq, out, lse2, stats, offsets, targets, dq.stride(0), out.stride(0), stats.stride(0), H, scale,
-        qk_scale, inv_norm, STAGES=stages, **flags)
+        dq, out, lse2, delta, offsets, targets, dq.stride(0), out.stride(0), H, scale, qk_scale, inv_norm,
+        STAGES=stages, **flags)
     rows, slot, stages = DKDV_TILE
     _jagged_attn_bwd_dkdv_hopper[(B * H, math.ceil(max_seqlen / rows))](
         _descriptor(k, rows // 2), _descriptor(v, rows // 2), _descriptor(q, slot), _descriptor(do, slot),
-        _stats_descriptor(stats, slot), dk, dv, offsets, targets, dk.stride(0), H, scale, qk_scale, inv_norm,
+        dk, dv, lse2, delta, offsets, targets, dk.stride(0), H, scale, qk_scale, inv_norm,
         STAGES=stages, **flags)
     return dq, dk, dv
