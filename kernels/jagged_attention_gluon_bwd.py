@@ -26,16 +26,15 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from gemcore.kernels.jagged_attention_gluon import (_DTYPES, _allowed, _key_tiles, _ring_barriers, _sequence,
-                                                    _tanh_fast, _tma_load, unsupported_reason)
+from gemcore.kernels.jagged_attention_gluon import (_CONSUMER_REGS, _DTYPES, _PRODUCER_REGS, MAXNREG, _allowed,
+                                                    _key_tiles, _ring_barriers, _sequence, _tanh_fast, _tma_load,
+                                                    unsupported_reason)
 from gemcore.kernels.jagged_attention_triton_common import ACTIVATION_CODES
 
 #: (rows per CTA, rows per ring slot, ring slots) of the two kernels. dQ: 128 query rows, 64-row
 #: K/V tiles, 3 slots; dK/dV: 128 key rows, 64-row Q/dO tiles, 2 slots (3 timed the same on the H200)
 DQ_TILE = (128, 64, 3)
 DKDV_TILE = (128, 64, 2)
-_CONSUMER_REGS, _PRODUCER_REGS = gl.constexpr(240), gl.constexpr(24)
-MAXNREG = 168
 #: the Triton backward is kept for mean lengths below this (the Gluon one measured faster at mean
 #: 494 and 1945, both kinds; shorter ones are not measured)
 MIN_MEAN_LEN = 256
