@@ -117,6 +117,23 @@ def _ring_barriers(STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _stream_tiles(a_desc, b_desc, a_ring, b_ring, a_ready, b_ready, empty, first_row, n_tiles, col):
+    """Producer loop: tiles j = 0 .. n_tiles-1 of rows [first_row + j·R, +R) (R the ring's tile
+    rows), columns [col, col + D), from both descriptors into slot j % STAGES of their rings, each
+    signalled on its ready barrier once the slot's previous tile was released on ``empty``."""
+    STAGES: gl.constexpr = a_ring.type.shape[0]
+    ROWS: gl.constexpr = a_ring.type.shape[1]
+    for j in range(n_tiles):
+        stage = j % STAGES
+        mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)   # fresh barriers: passes
+        row = first_row + j * ROWS
+        mbarrier.expect(a_ready.index(stage), a_desc.block_type.nbytes)
+        _tma_load(a_desc, [row, col], a_ready.index(stage), a_ring.index(stage))
+        mbarrier.expect(b_ready.index(stage), b_desc.block_type.nbytes)
+        _tma_load(b_desc, [row, col], b_ready.index(stage), b_ring.index(stage))
+
+
+@gluon.jit
 def _allowed(rows, keys, seq_len, history, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
     """Which (row, key) pairs attend, for broadcastable index tensors: causal, key <= row, and
     with targets (key < history or key == row): rows from ``history`` on are candidates; full,
@@ -234,21 +251,12 @@ def _producer(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty, q_desc,
               O, LSE2, start, seq_len, history, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles,
               ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
     """Worker partition, one warp: TMA loads of both query halves, then key/value tiles."""
-    STAGES: gl.constexpr = k_ring.type.shape[0]
-    BLOCK_N: gl.constexpr = k_ring.type.shape[1]
     D: gl.constexpr = k_ring.type.shape[2]
     col = h * D
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     _tma_load(q_desc, [start + m0, col], q_bar, q_smem.index(0))
     _tma_load(q_desc, [start + m0 + _BLOCK_M // 2, col], q_bar, q_smem.index(1))
-    for j in range(n_tiles):
-        stage = j % STAGES
-        mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)   # fresh barriers: passes
-        row = start + j * BLOCK_N
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        _tma_load(k_desc, [row, col], k_ready.index(stage), k_ring.index(stage))
-        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        _tma_load(v_desc, [row, col], v_ready.index(stage), v_ring.index(stage))
+    _stream_tiles(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, start, n_tiles, col)
 
 
 @gluon.jit
@@ -303,42 +311,51 @@ def unsupported_reason(q, k, v, offsets, kv_offsets, num_targets, causal: bool, 
     if D not in HEAD_DIMS or k.shape[2] != D or v.shape[2] != D:
         return f"head dims {q.shape[2]}/{k.shape[2]}/{v.shape[2]} (one of {HEAD_DIMS} for all three)"
     for name, x in (("q", q), ("k", k), ("v", v)):
-        # TMA: rows of H·D contiguous elements, 16-byte aligned start and row stride (a view of
-        # a fused qkv projection qualifies)
-        row_bytes = x.stride(0) * x.element_size()
-        if x.stride(2) != 1 or x.stride(1) != D or x.data_ptr() % 16 or row_bytes % 16:
+        if not packed_rows(x):
             return f"{name}'s heads not packed rows with 16-byte aligned start and row stride"
     return None
+
+
+def packed_rows(x: torch.Tensor) -> bool:
+    """Whether x (T, H, D) is what TMA reads as a (T, H·D) row view: rows of H·D contiguous
+    elements, 16-byte aligned start and row stride (a view of a fused qkv projection qualifies)."""
+    T, H, D = x.shape
+    row_bytes = x.stride(0) * x.element_size()
+    return x.stride(2) == 1 and x.stride(1) == D and x.data_ptr() % 16 == 0 and row_bytes % 16 == 0
 
 
 def _kind(activation: str) -> str:
     return "softmax" if activation == "softmax" else "pointwise"
 
 
+def on_hopper(x: torch.Tensor) -> bool:
+    """Whether x lives on an sm_90 GPU (H100 / H200), where the Gluon kernels run."""
+    return x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0)
+
+
 def gluon_forward_applies(q, k, v, offsets, kv_offsets, num_targets, causal: bool, window_left: int,
                           window_right: int, activation: str) -> bool:
     """Whether the Triton backend's forward should run here: an sm_90 GPU, inputs in scope, a
     mean history of at least MIN_MEAN_LEN, and GEMCORE_GLUON_ATTENTION not set to 0."""
-    if os.environ.get("GEMCORE_GLUON_ATTENTION", "1") == "0" or not q.is_cuda:
-        return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    if os.environ.get("GEMCORE_GLUON_ATTENTION", "1") == "0" or not on_hopper(q):
         return False
     if unsupported_reason(q, k, v, offsets, kv_offsets, num_targets, causal, window_left, window_right):
         return False
     return q.shape[0] >= MIN_MEAN_LEN[_kind(activation)] * (offsets.numel() - 1)
 
 
-def _descriptors(q, k, v, block_n: int):
-    """TMA descriptors over the (T, H·D) row views (row stride x.stride(0)): q in (64, D) blocks,
-    k and v in (block_n, D)."""
+def descriptor(x: torch.Tensor, rows: int):
+    """TMA descriptor over x's (T, H·D) row view (row stride x.stride(0)), blocks of (rows, D)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    T, H, D = q.shape
-    descs = []
-    for x, rows in ((q, BLOCK_M // 2), (k, block_n), (v, block_n)):
-        layout = gl.NVMMASharedLayout.get_default_for([rows, D], _DTYPES[x.dtype])
-        descs.append(TensorDescriptor(x, [x.shape[0], H * D], [x.stride(0), 1], [rows, D], layout))
-    return descs
+    T, H, D = x.shape
+    layout = gl.NVMMASharedLayout.get_default_for([rows, D], _DTYPES[x.dtype])
+    return TensorDescriptor(x, [T, H * D], [x.stride(0), 1], [rows, D], layout)
+
+
+def _descriptors(q, k, v, block_n: int):
+    """The forward's descriptors: q in (64, D) blocks, k and v in (block_n, D)."""
+    return [descriptor(q, BLOCK_M // 2), descriptor(k, block_n), descriptor(v, block_n)]
 
 
 def jagged_attention_fwd_hopper(q, k, v, offsets, activation: str, causal: bool, scale: float,

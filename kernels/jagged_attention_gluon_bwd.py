@@ -26,9 +26,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from gemcore.kernels.jagged_attention_gluon import (_CONSUMER_REGS, _DTYPES, _PRODUCER_REGS, MAXNREG, _allowed,
-                                                    _key_tiles, _ring_barriers, _sequence, _tanh_fast, _tma_load,
-                                                    unsupported_reason)
+from gemcore.kernels.jagged_attention_gluon import (_CONSUMER_REGS, _PRODUCER_REGS, MAXNREG, _allowed, _key_tiles,
+                                                    _ring_barriers, _sequence, _stream_tiles, _tanh_fast, _tma_load,
+                                                    descriptor, on_hopper, packed_rows, unsupported_reason)
 from gemcore.kernels.jagged_attention_triton_common import ACTIVATION_CODES
 
 #: (rows per CTA, rows per ring slot, ring slots) of the two kernels. dQ: 128 query rows, 64-row
@@ -66,6 +66,17 @@ def _pointwise_and_grad(x, ACTIVATION: gl.constexpr):
         y = x
         g = gl.full(x.shape, 1.0, gl.float32, x.type.layout)
     return y, g
+
+
+@gluon.jit
+def _load_halves(a_desc, b_desc, a_smem, b_smem, bar, first_row, col):
+    """Producer prologue: both 64-row halves of the resident tiles of a and b (rows
+    [first_row, first_row + 128), columns [col, col + D)), all four signalled on ``bar``."""
+    HALF: gl.constexpr = a_smem.type.shape[1]
+    mbarrier.expect(bar, 2 * a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes)
+    for half in gl.static_range(2):
+        _tma_load(a_desc, [first_row + half * HALF, col], bar, a_smem.index(half))
+        _tma_load(b_desc, [first_row + half * HALF, col], bar, b_smem.index(half))
 
 
 # --------------------------------------------------------------------------- dQ
@@ -153,23 +164,9 @@ def _dq_producer(q_smem, do_smem, k_ring, v_ring, qdo_bar, k_ready, v_ready, emp
                  scale, qk_scale, inv_norm, n_full, n_tiles, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
                  HAS_TARGETS: gl.constexpr):
     """Worker partition, one warp: both halves of Q and dO once, then K/V tiles into the ring."""
-    WG_M: gl.constexpr = q_smem.type.shape[1]
-    STAGES: gl.constexpr = k_ring.type.shape[0]
-    BLOCK_N: gl.constexpr = k_ring.type.shape[1]
-    D: gl.constexpr = k_ring.type.shape[2]
-    col = h * D
-    mbarrier.expect(qdo_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
-    for half in gl.static_range(2):
-        _tma_load(q_desc, [start + m0 + half * WG_M, col], qdo_bar, q_smem.index(half))
-        _tma_load(do_desc, [start + m0 + half * WG_M, col], qdo_bar, do_smem.index(half))
-    for j in range(n_tiles):
-        stage = j % STAGES
-        mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)   # fresh barriers: passes
-        row = start + j * BLOCK_N
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        _tma_load(k_desc, [row, col], k_ready.index(stage), k_ring.index(stage))
-        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        _tma_load(v_desc, [row, col], v_ready.index(stage), v_ring.index(stage))
+    col = h * k_ring.type.shape[2]
+    _load_halves(q_desc, do_desc, q_smem, do_smem, qdo_bar, start + m0, col)
+    _stream_tiles(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, empty, start, n_tiles, col)
 
 
 @gluon.jit
@@ -304,23 +301,10 @@ def _dkdv_producer(k_smem, v_smem, q_ring, do_ring, kv_bar, q_ready, do_ready, e
                    scale, qk_scale, inv_norm, i0, n_iters, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
                    HAS_TARGETS: gl.constexpr):
     """Worker partition, one warp: both K/V halves once, then Q and dO tiles into the ring."""
-    WG_N: gl.constexpr = k_smem.type.shape[1]
-    STAGES: gl.constexpr = q_ring.type.shape[0]
-    BLOCK_M: gl.constexpr = q_ring.type.shape[1]
-    D: gl.constexpr = k_smem.type.shape[2]
-    col = h * D
-    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
-    for half in gl.static_range(2):
-        _tma_load(k_desc, [start + n0 + half * WG_N, col], kv_bar, k_smem.index(half))
-        _tma_load(v_desc, [start + n0 + half * WG_N, col], kv_bar, v_smem.index(half))
-    for it in range(n_iters):
-        stage = it % STAGES
-        mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)   # fresh barriers: passes
-        row = start + (i0 + it) * BLOCK_M
-        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
-        _tma_load(q_desc, [row, col], q_ready.index(stage), q_ring.index(stage))
-        mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
-        _tma_load(do_desc, [row, col], do_ready.index(stage), do_ring.index(stage))
+    col = h * k_smem.type.shape[2]
+    _load_halves(k_desc, v_desc, k_smem, v_smem, kv_bar, start + n0, col)
+    _stream_tiles(q_desc, do_desc, q_ring, do_ring, q_ready, do_ready, empty, start + i0 * q_ring.type.shape[1],
+                  n_iters, col)
 
 
 @gluon.jit
@@ -376,7 +360,7 @@ def gluon_backward_applies(q, k, v, offsets, kv_offsets, num_targets, causal: bo
     nor GEMCORE_GLUON_ATTENTION_BWD set to 0."""
     if "0" in (os.environ.get("GEMCORE_GLUON_ATTENTION", "1"), os.environ.get("GEMCORE_GLUON_ATTENTION_BWD", "1")):
         return False
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+    if not on_hopper(q):
         return False
     if unsupported_reason(q, k, v, offsets, kv_offsets, num_targets, causal, window_left, window_right):
         return False
@@ -384,21 +368,9 @@ def gluon_backward_applies(q, k, v, offsets, kv_offsets, num_targets, causal: bo
 
 
 def _row_view(x: torch.Tensor) -> torch.Tensor:
-    """x (T, H, D) itself if its heads are packed rows with a 16-byte aligned start and row stride
-    (what TMA reads), else a contiguous copy."""
-    T, H, D = x.shape
-    if x.stride(2) == 1 and x.stride(1) == D and x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0:
-        return x
-    return x.contiguous()
-
-
-def _descriptor(x: torch.Tensor, rows: int):
-    """TMA descriptor over x's (T, H·D) row view, blocks of (rows, D)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    T, H, D = x.shape
-    layout = gl.NVMMASharedLayout.get_default_for([rows, D], _DTYPES[x.dtype])
-    return TensorDescriptor(x, [T, H * D], [x.stride(0), 1], [rows, D], layout)
+    """x (T, H, D) itself if TMA can read it (:func:`jagged_attention_gluon.packed_rows`), else a
+    contiguous copy."""
+    return x if packed_rows(x) else x.contiguous()
 
 
 def jagged_attention_bwd_hopper(do, q, k, v, out, lse2, offsets, activation: str, causal: bool, scale: float,
@@ -422,12 +394,12 @@ def jagged_attention_bwd_hopper(do, q, k, v, out, lse2, offsets, activation: str
     targets = offsets if num_targets is None else num_targets
     rows, slot, stages = DQ_TILE
     _jagged_attn_bwd_dq_hopper[(B * H, math.ceil(max_seqlen / rows))](
-        _descriptor(q, rows // 2), _descriptor(do, rows // 2), _descriptor(k, slot), _descriptor(v, slot),
+        descriptor(q, rows // 2), descriptor(do, rows // 2), descriptor(k, slot), descriptor(v, slot),
         dq, out, lse2, delta, offsets, targets, dq.stride(0), out.stride(0), H, scale, qk_scale, inv_norm,
         STAGES=stages, **flags)
     rows, slot, stages = DKDV_TILE
     _jagged_attn_bwd_dkdv_hopper[(B * H, math.ceil(max_seqlen / rows))](
-        _descriptor(k, rows // 2), _descriptor(v, rows // 2), _descriptor(q, slot), _descriptor(do, slot),
+        descriptor(k, rows // 2), descriptor(v, rows // 2), descriptor(q, slot), descriptor(do, slot),
         dk, dv, lse2, delta, offsets, targets, dk.stride(0), H, scale, qk_scale, inv_norm,
         STAGES=stages, **flags)
     return dq, dk, dv
