@@ -2,8 +2,10 @@
 as FlashAttention-3 describes it; the backward (``jagged_attention_gluon_bwd`` on Hopper, else the
 Triton kernels) reads this forward's output and base-2 log-sum-exp in the Triton forward's layout.
 
-One CTA per (sequence, head, 128 query rows), heaviest query tiles first:
-- a producer warp loads the query tile once and key/value tiles through TMA into a ring of slots
+Persistent: one CTA per SM loops over work items (sequence, head, 128 query rows), heaviest query
+tiles first, so one item's epilogue overlaps the next one's loads:
+- a producer warp loads an item's query tile (once the consumers' last Q·Kᵀ of the item before
+  is done) and its key/value tiles through TMA into a ring of slots
   (sizes per activation kind in ``TILES``), signalled by mbarriers (keys and values separately);
 - two consumer warpgroups own 64 query rows each and share the ring (a slot is free once both
   have released it); they are otherwise unsynchronized, so one's activation overlaps the other's
@@ -20,6 +22,7 @@ Needs an sm_90 GPU and a Triton with Gluon's Hopper ops (3.6 and 3.9 checked).
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -117,15 +120,16 @@ def _ring_barriers(STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _stream_tiles(a_desc, b_desc, a_ring, b_ring, a_ready, b_ready, empty, first_row, n_tiles, col):
+def _stream_tiles(a_desc, b_desc, a_ring, b_ring, a_ready, b_ready, empty, first_row, n_tiles, col, base):
     """Producer loop: tiles j = 0 .. n_tiles-1 of rows [first_row + j·R, +R) (R the ring's tile
-    rows), columns [col, col + D), from both descriptors into slot j % STAGES of their rings, each
-    signalled on its ready barrier once the slot's previous tile was released on ``empty``."""
+    rows), columns [col, col + D), from both descriptors into ring slot (base + j) % STAGES (base:
+    tiles streamed before, by earlier work items), each signalled on its ready barrier once the
+    slot's previous tile was released on ``empty``."""
     STAGES: gl.constexpr = a_ring.type.shape[0]
     ROWS: gl.constexpr = a_ring.type.shape[1]
     for j in range(n_tiles):
-        stage = j % STAGES
-        mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)   # fresh barriers: passes
+        stage = (base + j) % STAGES
+        mbarrier.wait(empty.index(stage), (((base + j) // STAGES) & 1) ^ 1)   # fresh barriers: passes
         row = first_row + j * ROWS
         mbarrier.expect(a_ready.index(stage), a_desc.block_type.nbytes)
         _tma_load(a_desc, [row, col], a_ready.index(stage), a_ring.index(stage))
@@ -178,10 +182,31 @@ def _activate(s, j, rows, seq_len, history, m_i, l_i, n_full, qk_scale, ACTIVATI
 
 
 @gluon.jit
-def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty,
-              O, LSE2, start, seq_len, history, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles,
-              ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
-    """One warpgroup: query rows [m0 + 64·wg, m0 + 64·wg + 64) against key tiles 0..n_tiles-1."""
+def _split(w, H, n_bh):
+    """Work item w -> (level, b, h): items run level by level (n_bh = B·H items each), within a
+    level sequence by sequence, heads innermost."""
+    return w // n_bh, (w % n_bh) // H, w % H
+
+
+@gluon.jit
+def _work_item(w, offsets, num_targets, H, n_bh, n_m_tiles, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr,
+               BLOCK_N: gl.constexpr):
+    """Work item w, heaviest first (query-tile level from the last down, then sequence, then head)
+    -> (h, m0, start, seq_len, history, n_full, n_tiles): query rows [m0, m0 + 128) of head h;
+    the item is empty when m0 >= seq_len."""
+    level, b, h = _split(w, H, n_bh)
+    m0 = (n_m_tiles - 1 - level) * _BLOCK_M
+    start, seq_len, history = _sequence(offsets, num_targets, b, HAS_TARGETS)
+    n_full, n_tiles = _key_tiles(m0, seq_len, history, _BLOCK_M, BLOCK_N, CAUSAL)
+    return h, m0, start, seq_len, history, n_full, n_tiles
+
+
+@gluon.jit
+def _attend(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, O, LSE2,
+            start, seq_len, history, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles, base, item,
+            ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
+    """One warpgroup, one work item: query rows [m0 + 64·wg, +64) against key tiles
+    0..n_tiles-1, which sit in ring slots from ``base`` on (``item``: the CTA's items before)."""
     WG_M: gl.constexpr = _BLOCK_M // 2
     STAGES: gl.constexpr = k_ring.type.shape[0]
     BLOCK_N: gl.constexpr = k_ring.type.shape[1]
@@ -194,34 +219,35 @@ def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready,
     q_w = q_smem.index(wg)
     rows = m0 + wg * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
 
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(k_ready.index(0), 0)
-    s = warpgroup_mma(q_w, k_ring.index(0).permute((1, 0)), gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout),
-                      use_acc=False)
+    mbarrier.wait(q_bar, item & 1)
+    mbarrier.wait(k_ready.index(base % STAGES), (base // STAGES) & 1)
+    s = warpgroup_mma(q_w, k_ring.index(base % STAGES).permute((1, 0)),
+                      gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout), use_acc=False)
     m_i = gl.full([WG_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([WG_M], gl.float32, gl.SliceLayout(1, s_layout))
     p, m_i, l_i, alpha = _activate(s, 0, rows, seq_len, history, m_i, l_i, n_full, qk_scale, ACTIVATION,
                                    CAUSAL, HAS_TARGETS, BLOCK_N, s_layout)
     acc = gl.zeros([WG_M, D], gl.float32, o_layout)
     for j in range(n_tiles - 1):
-        nxt = j + 1
+        nxt = base + j + 1
         mbarrier.wait(k_ready.index(nxt % STAGES), (nxt // STAGES) & 1)
         # (the zeros made here, not hoisted: a loop-carried zero tile would hold BLOCK_N / 2
         # registers per thread for nothing)
         s_tok = warpgroup_mma(q_w, k_ring.index(nxt % STAGES).permute((1, 0)),
                               gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-        stage = j % STAGES
-        mbarrier.wait(v_ready.index(stage), (j // STAGES) & 1)
+        stage = (base + j) % STAGES
+        mbarrier.wait(v_ready.index(stage), ((base + j) // STAGES) & 1)
         o_tok = warpgroup_mma(gl.convert_layout(p.to(k_ring.dtype), p_layout), v_ring.index(stage), acc,
                               is_async=True)
         s = warpgroup_mma_wait(1, deps=[s_tok])    # Q·K_{j+1}ᵀ is done; P_j·V_j may still run ...
-        p, m_i, l_i, alpha = _activate(s, nxt, rows, seq_len, history, m_i, l_i, n_full, qk_scale, ACTIVATION,
-                                       CAUSAL, HAS_TARGETS, BLOCK_N, s_layout)   # ... under tile j+1's activation
+        p, m_i, l_i, alpha = _activate(s, j + 1, rows, seq_len, history, m_i, l_i, n_full, qk_scale,
+                                       ACTIVATION, CAUSAL, HAS_TARGETS, BLOCK_N, s_layout)   # ... under tile j+1's activation
         acc = warpgroup_mma_wait(0, deps=[o_tok])
         mbarrier.arrive(kv_empty.index(stage), count=1)
         if ACTIVATION == 0:
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    last = n_tiles - 1
+    mbarrier.arrive(q_empty, count=1)             # every Q·Kᵀ is done: the producer may load the next Q
+    last = base + n_tiles - 1
     mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
     acc = warpgroup_mma(gl.convert_layout(p.to(k_ring.dtype), p_layout), v_ring.index(last % STAGES), acc)
     mbarrier.arrive(kv_empty.index(last % STAGES), count=1)
@@ -238,61 +264,88 @@ def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready,
 
 
 @gluon.jit
-def _second_consumer(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty, q_desc, k_desc, v_desc,
-                     O, LSE2, start, seq_len, history, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles,
+def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, O, LSE2,
+              offsets, num_targets, stride_t, H, n_bh, n_m_tiles, qk_scale, inv_norm,
+              ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
+    """One warpgroup: its 64 query rows of every work item of this CTA (:func:`_attend`)."""
+    BLOCK_N: gl.constexpr = k_ring.type.shape[1]
+    base = 0
+    item = 0
+    for w in range(gl.program_id(0), n_bh * n_m_tiles, gl.num_programs(0)):
+        h, m0, start, seq_len, history, n_full, n_tiles = _work_item(w, offsets, num_targets, H, n_bh, n_m_tiles,
+                                                                     CAUSAL, HAS_TARGETS, BLOCK_N)
+        if m0 < seq_len:
+            _attend(wg, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, O, LSE2, start,
+                    seq_len, history, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles, base, item,
+                    ACTIVATION, CAUSAL, HAS_TARGETS)
+            base += n_tiles
+            item += 1
+
+
+@gluon.jit
+def _second_consumer(q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, q_desc, k_desc, v_desc,
+                     O, LSE2, offsets, num_targets, stride_t, H, n_bh, n_m_tiles, qk_scale, inv_norm,
                      ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
     """Worker partition: the consumer of query rows 64..127 (workers share one signature)."""
-    _consumer(1, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty, O, LSE2, start, seq_len,
-              history, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles, ACTIVATION, CAUSAL, HAS_TARGETS)
+    _consumer(1, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, O, LSE2, offsets,
+              num_targets, stride_t, H, n_bh, n_m_tiles, qk_scale, inv_norm, ACTIVATION, CAUSAL, HAS_TARGETS)
 
 
 @gluon.jit
-def _producer(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty, q_desc, k_desc, v_desc,
-              O, LSE2, start, seq_len, history, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles,
+def _producer(q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, q_desc, k_desc, v_desc,
+              O, LSE2, offsets, num_targets, stride_t, H, n_bh, n_m_tiles, qk_scale, inv_norm,
               ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
-    """Worker partition, one warp: TMA loads of both query halves, then key/value tiles."""
+    """Worker partition, one warp: for each work item, both query halves (once the consumers are
+    done with the last ones), then its key/value tiles."""
+    BLOCK_N: gl.constexpr = k_ring.type.shape[1]
     D: gl.constexpr = k_ring.type.shape[2]
-    col = h * D
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    _tma_load(q_desc, [start + m0, col], q_bar, q_smem.index(0))
-    _tma_load(q_desc, [start + m0 + _BLOCK_M // 2, col], q_bar, q_smem.index(1))
-    _stream_tiles(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, start, n_tiles, col)
+    base = 0
+    item = 0
+    for w in range(gl.program_id(0), n_bh * n_m_tiles, gl.num_programs(0)):
+        h, m0, start, seq_len, history, n_full, n_tiles = _work_item(w, offsets, num_targets, H, n_bh, n_m_tiles,
+                                                                     CAUSAL, HAS_TARGETS, BLOCK_N)
+        if m0 < seq_len:
+            col = h * D
+            mbarrier.wait(q_empty, (item & 1) ^ 1)     # fresh barrier: passes
+            mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+            _tma_load(q_desc, [start + m0, col], q_bar, q_smem.index(0))
+            _tma_load(q_desc, [start + m0 + _BLOCK_M // 2, col], q_bar, q_smem.index(1))
+            _stream_tiles(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, start, n_tiles, col, base)
+            base += n_tiles
+            item += 1
 
 
 @gluon.jit
-def _jagged_attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE2, offsets, num_targets, stride_t, H, qk_scale,
-                            inv_norm, STAGES: gl.constexpr, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
-                            HAS_TARGETS: gl.constexpr):
-    """Grid (B·H, cdiv(max_len, 128)), heaviest query tiles first. Descriptors over the (T, H·D)
-    views, blocks (64, D) for q and (BLOCK_N, D) for k and v; O (T, H, D) contiguous; LSE2 (T, H)
-    float32, softmax only; num_targets (B,) int64, read only when HAS_TARGETS (causal)."""
+def _jagged_attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE2, offsets, num_targets, stride_t, H, n_bh, n_m_tiles,
+                            qk_scale, inv_norm, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
+                            CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
+    """Persistent: CTA p takes work items p, p + P, p + 2P, ... (P CTAs; :func:`_work_item`,
+    n_bh·n_m_tiles items, n_bh = B·H), so a consumer's epilogue overlaps the next item's loads.
+    Descriptors over the (T, H·D) views, blocks (64, D) for q and (BLOCK_N, D) for k and v;
+    O (T, H, D) contiguous; LSE2 (T, H) float32, softmax only; num_targets (B,) int64, read only
+    when HAS_TARGETS (causal)."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     gl.static_assert(_BLOCK_M % BLOCK_N == 0)
-    pid_bh = gl.program_id(0)
-    b = pid_bh // H
-    h = pid_bh % H
-    m0 = (gl.num_programs(1) - 1 - gl.program_id(1)) * _BLOCK_M
-    start, seq_len, history = _sequence(offsets, num_targets, b, HAS_TARGETS)
-    if m0 < seq_len:
-        n_full, n_tiles = _key_tiles(m0, seq_len, history, _BLOCK_M, BLOCK_N, CAUSAL)
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-        k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-        v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        k_ready, v_ready, kv_empty = _ring_barriers(STAGES)
-        # the argument tuples are written out: a tuple bound to a name first loses its constexprs
-        gl.warp_specialize([
-            (_consumer, (0, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty, O, LSE2, start,
-                         seq_len, history, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles,
-                         ACTIVATION, CAUSAL, HAS_TARGETS)),
-            (_second_consumer, (q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty, q_desc, k_desc,
-                                v_desc, O, LSE2, start, seq_len, history, m0, h, H, stride_t, qk_scale, inv_norm,
-                                n_full, n_tiles, ACTIVATION, CAUSAL, HAS_TARGETS)),
-            (_producer, (q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, kv_empty, q_desc, k_desc,
-                         v_desc, O, LSE2, start, seq_len, history, m0, h, H, stride_t, qk_scale, inv_norm,
-                         n_full, n_tiles, ACTIVATION, CAUSAL, HAS_TARGETS)),
-        ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    mbarrier.init(q_empty, count=2)
+    k_ready, v_ready, kv_empty = _ring_barriers(STAGES)
+    # the argument tuples are written out: a tuple bound to a name first loses its constexprs
+    gl.warp_specialize([
+        (_consumer, (0, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, O, LSE2, offsets,
+                     num_targets, stride_t, H, n_bh, n_m_tiles, qk_scale, inv_norm, ACTIVATION, CAUSAL,
+                     HAS_TARGETS)),
+        (_second_consumer, (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, q_desc, k_desc,
+                            v_desc, O, LSE2, offsets, num_targets, stride_t, H, n_bh, n_m_tiles, qk_scale,
+                            inv_norm, ACTIVATION, CAUSAL, HAS_TARGETS)),
+        (_producer, (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, q_desc, k_desc, v_desc,
+                     O, LSE2, offsets, num_targets, stride_t, H, n_bh, n_m_tiles, qk_scale, inv_norm,
+                     ACTIVATION, CAUSAL, HAS_TARGETS)),
+    ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
 # --------------------------------------------------------------------------- host side
@@ -344,6 +397,12 @@ def gluon_forward_applies(q, k, v, offsets, kv_offsets, num_targets, causal: boo
     return q.shape[0] >= MIN_MEAN_LEN[_kind(activation)] * (offsets.numel() - 1)
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a GPU: the persistent kernels' CTA count."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def descriptor(x: torch.Tensor, rows: int):
     """TMA descriptor over x's (T, H·D) row view (row stride x.stride(0)), blocks of (rows, D)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -360,12 +419,13 @@ def _descriptors(q, k, v, block_n: int):
 
 def jagged_attention_fwd_hopper(q, k, v, offsets, activation: str, causal: bool, scale: float,
                                 inv_norm: float, max_seqlen: int, num_targets=None, *,
-                                block_n: int | None = None, stages: int | None = None):
+                                block_n: int | None = None, stages: int | None = None, persistent: bool = True):
     """(out (T, H, D) contiguous in q's dtype, lse2 (T, H) float32 base-2 log-sum-exp, empty
     (0, H) unless softmax), as the Triton forward returns them. Inputs as
     :func:`unsupported_reason` accepts; offsets (B+1,) int64 and num_targets (B,) int64 (causal
     only) on the GPU. ``block_n`` (64 or 128) and ``stages``: the key tile and ring depth, for
-    experiments (default: TILES); shared memory must hold 2·64·D + 2·stages·block_n·D elements."""
+    experiments (default: TILES); shared memory must hold 2·64·D + 2·stages·block_n·D elements.
+    ``persistent``: one CTA per SM looping over the work items (default), else one per item."""
     T, H, D = q.shape
     tile_n, tile_stages = TILES[_kind(activation)]
     block_n, stages = block_n or tile_n, stages or tile_stages
@@ -377,9 +437,11 @@ def jagged_attention_fwd_hopper(q, k, v, offsets, activation: str, causal: bool,
     if B * H == 0 or n_m_tiles == 0 or T == 0:
         return out, lse2
     qk_scale = scale * 1.4426950408889634 if softmax else scale
-    _jagged_attn_fwd_hopper[(B * H, n_m_tiles)](
+    n_items = B * H * n_m_tiles
+    ctas = min(n_items, sm_count(q.device)) if persistent else n_items
+    _jagged_attn_fwd_hopper[(ctas,)](
         *_descriptors(q, k, v, block_n), out, lse2, offsets,
-        offsets if num_targets is None else num_targets, out.stride(0), H, qk_scale, inv_norm,
+        offsets if num_targets is None else num_targets, out.stride(0), H, B * H, n_m_tiles, qk_scale, inv_norm,
         STAGES=stages, ACTIVATION=ACTIVATION_CODES[activation], CAUSAL=bool(causal),
         HAS_TARGETS=num_targets is not None,
         num_warps=4, maxnreg=MAXNREG)

@@ -27,8 +27,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from gemcore.kernels.jagged_attention_gluon import (_CONSUMER_REGS, _PRODUCER_REGS, MAXNREG, _allowed, _key_tiles,
-                                                    _ring_barriers, _sequence, _stream_tiles, _tanh_fast, _tma_load,
-                                                    descriptor, on_hopper, packed_rows, unsupported_reason)
+                                                    _ring_barriers, _sequence, _split, _stream_tiles, _tanh_fast, _tma_load,
+                                                    descriptor, on_hopper, packed_rows, sm_count,
+                                                    unsupported_reason)
 from gemcore.kernels.jagged_attention_triton_common import ACTIVATION_CODES
 
 #: (rows per CTA, rows per ring slot, ring slots) of the two kernels. dQ: 128 query rows, 64-row
@@ -81,11 +82,12 @@ def _load_halves(a_desc, b_desc, a_smem, b_smem, bar, first_row, col):
 
 # --------------------------------------------------------------------------- dQ
 @gluon.jit
-def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, qdo_bar, k_ready, v_ready, empty,
-                 DQ, O, LSE2, DELTA, start, seq_len, history, m0, h, H, stride_t, stride_o, scale, qk_scale,
-                 inv_norm, n_full, n_tiles, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
-                 HAS_TARGETS: gl.constexpr):
-    """Query rows [m0 + 64·wg, +64) against key tiles 0 .. n_tiles - 1; tiles from n_full on masked."""
+def _dq_item(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty,
+             DQ, O, LSE2, DELTA, start, seq_len, history, m0, h, H, stride_t, stride_o, scale, qk_scale,
+             inv_norm, n_full, n_tiles, base, item, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
+             HAS_TARGETS: gl.constexpr):
+    """One work item: query rows [m0 + 64·wg, +64) against key tiles 0 .. n_tiles - 1 (ring
+    slots from ``base`` on; ``item``: the CTA's items before); tiles from n_full on masked."""
     WG_M: gl.constexpr = q_smem.type.shape[1]
     STAGES: gl.constexpr = k_ring.type.shape[0]
     BLOCK_N: gl.constexpr = k_ring.type.shape[1]
@@ -97,7 +99,7 @@ def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, qdo_bar, k_r
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     rows = m0 + wg * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
     row_ok = rows < seq_len
-    mbarrier.wait(qdo_bar, 0)
+    mbarrier.wait(qdo_bar, item & 1)
     if ACTIVATION == 0:
         # delta = rowsum(dO·O) of these rows, stored for the dK/dV kernel
         io: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -113,8 +115,8 @@ def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, qdo_bar, k_r
     do_w = do_smem.index(wg)
     dq = gl.zeros([WG_M, D], gl.float32, acc_layout)
     for j in range(n_tiles):
-        stage = j % STAGES
-        phase = (j // STAGES) & 1
+        stage = (base + j) % STAGES
+        phase = ((base + j) // STAGES) & 1
         mbarrier.wait(k_ready.index(stage), phase)
         s_tok = warpgroup_mma(q_w, k_ring.index(stage).permute((1, 0)),
                               gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
@@ -141,6 +143,7 @@ def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, qdo_bar, k_r
                                is_async=True)
         dq = warpgroup_mma_wait(0, deps=[dq_tok])
         mbarrier.arrive(empty.index(stage), count=1)
+    mbarrier.arrive(qdo_free, count=1)            # Q and dO are read: the producer may load the next
     o_rows = m0 + wg * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
     gl.store(DQ + h * D + (start + o_rows)[:, None] * stride_t + cols[None, :],
@@ -148,73 +151,109 @@ def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, qdo_bar, k_r
 
 
 @gluon.jit
-def _dq_second_consumer(q_smem, do_smem, k_ring, v_ring, qdo_bar, k_ready, v_ready, empty, q_desc, do_desc,
-                        k_desc, v_desc, DQ, O, LSE2, DELTA, start, seq_len, history, m0, h, H, stride_t,
-                        stride_o, scale, qk_scale, inv_norm, n_full, n_tiles, ACTIVATION: gl.constexpr,
-                        CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
-    """Worker partition: the consumer of query rows 64..127 (workers share one signature)."""
-    _dq_consumer(1, q_smem, do_smem, k_ring, v_ring, qdo_bar, k_ready, v_ready, empty, DQ, O, LSE2, DELTA,
-                 start, seq_len, history, m0, h, H, stride_t, stride_o, scale, qk_scale, inv_norm, n_full,
-                 n_tiles, ACTIVATION, CAUSAL, HAS_TARGETS)
+def _dq_item_bounds(w, offsets, num_targets, H, n_bh, n_levels, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                    HAS_TARGETS: gl.constexpr):
+    """dQ's work item w, heaviest first -> (h, m0, start, seq_len, history, n_full, n_tiles):
+    query rows [m0, m0 + 128) of head h, empty when m0 >= seq_len."""
+    level, b, h = _split(w, H, n_bh)
+    m0 = (n_levels - 1 - level) * 128
+    start, seq_len, history = _sequence(offsets, num_targets, b, HAS_TARGETS)
+    n_full, n_tiles = _key_tiles(m0, seq_len, history, 128, BLOCK_N, CAUSAL)
+    return h, m0, start, seq_len, history, n_full, n_tiles
 
 
 @gluon.jit
-def _dq_producer(q_smem, do_smem, k_ring, v_ring, qdo_bar, k_ready, v_ready, empty, q_desc, do_desc,
-                 k_desc, v_desc, DQ, O, LSE2, DELTA, start, seq_len, history, m0, h, H, stride_t, stride_o,
-                 scale, qk_scale, inv_norm, n_full, n_tiles, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
+def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty,
+                 DQ, O, LSE2, DELTA, offsets, num_targets, H, n_bh, n_levels, stride_t, stride_o, scale,
+                 qk_scale, inv_norm, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
+    """One warpgroup: its 64 query rows of every work item of this CTA (:func:`_dq_item`)."""
+    base = 0
+    item = 0
+    for w in range(gl.program_id(0), n_bh * n_levels, gl.num_programs(0)):
+        h, m0, start, seq_len, history, n_full, n_tiles = _dq_item_bounds(
+            w, offsets, num_targets, H, n_bh, n_levels, k_ring.type.shape[1], CAUSAL, HAS_TARGETS)
+        if m0 < seq_len:
+            _dq_item(wg, q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty, DQ, O,
+                     LSE2, DELTA, start, seq_len, history, m0, h, H, stride_t, stride_o, scale, qk_scale,
+                     inv_norm, n_full, n_tiles, base, item, ACTIVATION, CAUSAL, HAS_TARGETS)
+            base += n_tiles
+            item += 1
+
+
+@gluon.jit
+def _dq_second_consumer(q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty, q_desc,
+                        do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, offsets, num_targets, H, n_bh, n_levels,
+                        stride_t, stride_o, scale, qk_scale, inv_norm, ACTIVATION: gl.constexpr,
+                        CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
+    """Worker partition: the consumer of query rows 64..127 (workers share one signature)."""
+    _dq_consumer(1, q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty, DQ, O, LSE2,
+                 DELTA, offsets, num_targets, H, n_bh, n_levels, stride_t, stride_o, scale, qk_scale, inv_norm,
+                 ACTIVATION, CAUSAL, HAS_TARGETS)
+
+
+@gluon.jit
+def _dq_producer(q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty, q_desc, do_desc,
+                 k_desc, v_desc, DQ, O, LSE2, DELTA, offsets, num_targets, H, n_bh, n_levels, stride_t,
+                 stride_o, scale, qk_scale, inv_norm, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
                  HAS_TARGETS: gl.constexpr):
-    """Worker partition, one warp: both halves of Q and dO once, then K/V tiles into the ring."""
-    col = h * k_ring.type.shape[2]
-    _load_halves(q_desc, do_desc, q_smem, do_smem, qdo_bar, start + m0, col)
-    _stream_tiles(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, empty, start, n_tiles, col)
+    """Worker partition, one warp: per work item, both halves of Q and dO (once the consumers
+    are done with the last ones), then its K/V tiles into the ring."""
+    base = 0
+    item = 0
+    for w in range(gl.program_id(0), n_bh * n_levels, gl.num_programs(0)):
+        h, m0, start, seq_len, history, n_full, n_tiles = _dq_item_bounds(
+            w, offsets, num_targets, H, n_bh, n_levels, k_ring.type.shape[1], CAUSAL, HAS_TARGETS)
+        if m0 < seq_len:
+            col = h * k_ring.type.shape[2]
+            mbarrier.wait(qdo_free, (item & 1) ^ 1)      # fresh barrier: passes
+            _load_halves(q_desc, do_desc, q_smem, do_smem, qdo_bar, start + m0, col)
+            _stream_tiles(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, empty, start, n_tiles, col, base)
+            base += n_tiles
+            item += 1
 
 
 @gluon.jit
 def _jagged_attn_bwd_dq_hopper(q_desc, do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, offsets, num_targets,
-                               stride_t, stride_o, H, scale, qk_scale, inv_norm, STAGES: gl.constexpr,
-                               ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
-    """Grid (B·H, cdiv(max_len, 128)), heaviest query tiles first. Descriptors over (T, H·D) row
-    views: q / dO in (64, D) blocks, k / v in (BLOCK_N, D). DQ (T, H, D) with row stride
-    stride_t; O (T, H, D) with row stride stride_o (softmax only); LSE2, DELTA (T, H) float32."""
-    BLOCK_M: gl.constexpr = 2 * q_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    pid_bh = gl.program_id(0)
-    b = pid_bh // H
-    h = pid_bh % H
-    m0 = (gl.num_programs(1) - 1 - gl.program_id(1)) * BLOCK_M
-    start, seq_len, history = _sequence(offsets, num_targets, b, HAS_TARGETS)
-    if m0 < seq_len:
-        n_full, n_tiles = _key_tiles(m0, seq_len, history, BLOCK_M, BLOCK_N, CAUSAL)
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-        do_smem = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
-        k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-        v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-        qdo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(qdo_bar, count=1)
-        k_ready, v_ready, empty = _ring_barriers(STAGES)
-        # the argument tuples are written out: a tuple bound to a name first loses its constexprs
-        gl.warp_specialize([
-            (_dq_consumer, (0, q_smem, do_smem, k_ring, v_ring, qdo_bar, k_ready, v_ready, empty, DQ, O,
-                            LSE2, DELTA, start, seq_len, history, m0, h, H, stride_t, stride_o, scale,
-                            qk_scale, inv_norm, n_full, n_tiles, ACTIVATION, CAUSAL, HAS_TARGETS)),
-            (_dq_second_consumer, (q_smem, do_smem, k_ring, v_ring, qdo_bar, k_ready, v_ready, empty, q_desc,
-                                   do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, start, seq_len, history, m0,
-                                   h, H, stride_t, stride_o, scale, qk_scale, inv_norm, n_full, n_tiles,
-                                   ACTIVATION, CAUSAL, HAS_TARGETS)),
-            (_dq_producer, (q_smem, do_smem, k_ring, v_ring, qdo_bar, k_ready, v_ready, empty, q_desc, do_desc,
-                            k_desc, v_desc, DQ, O, LSE2, DELTA, start, seq_len, history, m0, h, H, stride_t,
-                            stride_o, scale, qk_scale, inv_norm, n_full, n_tiles, ACTIVATION, CAUSAL,
-                            HAS_TARGETS)),
-        ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+                               stride_t, stride_o, H, n_bh, n_levels, scale, qk_scale, inv_norm,
+                               STAGES: gl.constexpr, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
+                               HAS_TARGETS: gl.constexpr):
+    """Persistent over n_bh·n_levels work items (n_bh = B·H; :func:`_dq_item_bounds`).
+    Descriptors over (T, H·D) row views: q / dO in (64, D) blocks, k / v in (BLOCK_N, D). DQ
+    (T, H, D) with row stride stride_t; O (T, H, D) with row stride stride_o (softmax only);
+    LSE2, DELTA (T, H) float32."""
+    gl.static_assert(q_desc.block_type.shape[0] == 64)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
+    k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    qdo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    qdo_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(qdo_bar, count=1)
+    mbarrier.init(qdo_free, count=2)
+    k_ready, v_ready, empty = _ring_barriers(STAGES)
+    # the argument tuples are written out: a tuple bound to a name first loses its constexprs
+    gl.warp_specialize([
+        (_dq_consumer, (0, q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty, DQ, O,
+                        LSE2, DELTA, offsets, num_targets, H, n_bh, n_levels, stride_t, stride_o, scale,
+                        qk_scale, inv_norm, ACTIVATION, CAUSAL, HAS_TARGETS)),
+        (_dq_second_consumer, (q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty,
+                               q_desc, do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, offsets, num_targets, H,
+                               n_bh, n_levels, stride_t, stride_o, scale, qk_scale, inv_norm, ACTIVATION,
+                               CAUSAL, HAS_TARGETS)),
+        (_dq_producer, (q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty, q_desc,
+                        do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, offsets, num_targets, H, n_bh, n_levels,
+                        stride_t, stride_o, scale, qk_scale, inv_norm, ACTIVATION, CAUSAL, HAS_TARGETS)),
+    ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
 # --------------------------------------------------------------------------- dK/dV
 @gluon.jit
-def _dkdv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_bar, q_ready, do_ready, empty,
-                   DK, DV, LSE2, DELTA, start, seq_len, history, n0, h, H, stride_t, scale, qk_scale,
-                   inv_norm, i0, n_iters, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
-                   HAS_TARGETS: gl.constexpr):
-    """Key rows [n0 + 64·wg, +64) against query tiles i0 .. i0 + n_iters - 1."""
+def _dkdv_item(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do_ready, empty,
+               DK, DV, LSE2, DELTA, start, seq_len, history, n0, h, H, stride_t, scale, qk_scale,
+               inv_norm, i0, n_iters, base, item, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
+               HAS_TARGETS: gl.constexpr):
+    """One work item: key rows [n0 + 64·wg, +64) against query tiles i0 .. i0 + n_iters - 1
+    (ring slots from ``base`` on; ``item``: the CTA's items before)."""
     WG_N: gl.constexpr = k_smem.type.shape[1]
     STAGES: gl.constexpr = q_ring.type.shape[0]
     BLOCK_M: gl.constexpr = q_ring.type.shape[1]
@@ -230,16 +269,23 @@ def _dkdv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_bar, q_
     keys = key0 + gl.arange(0, WG_N, layout=gl.SliceLayout(1, st_layout))
     dk = gl.zeros([WG_N, D], gl.float32, acc_layout)
     dv = gl.zeros([WG_N, D], gl.float32, acc_layout)
-    mbarrier.wait(kv_bar, 0)
+    mbarrier.wait(kv_bar, item & 1)
     for it in range(n_iters):
         m0 = (i0 + it) * BLOCK_M
-        stage = it % STAGES
-        phase = (it // STAGES) & 1
+        stage = (base + it) % STAGES
+        phase = ((base + it) // STAGES) & 1
         queries = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
         q_ok = queries < seq_len
         if ACTIVATION == 0:
-            lse = gl.load(LSE2 + (start + queries) * H + h, mask=q_ok, other=float("inf"))
-            delta = gl.load(DELTA + (start + queries) * H + h, mask=q_ok, other=0.0)
+            # loaded one element per thread, then spread to the scores' columns: loading in the
+            # scores' layout holds a pointer per replicated element (register spills)
+            flat: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+            q_flat = m0 + gl.arange(0, BLOCK_M, layout=flat)
+            at = (start + q_flat) * H + h
+            lse = gl.convert_layout(gl.load(LSE2 + at, mask=q_flat < seq_len, other=float("inf")),
+                                    gl.SliceLayout(0, st_layout))
+            delta = gl.convert_layout(gl.load(DELTA + at, mask=q_flat < seq_len, other=0.0),
+                                      gl.SliceLayout(0, st_layout))
         mbarrier.wait(q_ready.index(stage), phase)
         st_tok = warpgroup_mma(k_w, q_ring.index(stage).permute((1, 0)),
                                gl.zeros([WG_N, BLOCK_M], gl.float32, st_layout), use_acc=False, is_async=True)
@@ -276,6 +322,7 @@ def _dkdv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_bar, q_
                                is_async=True)
         dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
         mbarrier.arrive(empty.index(stage), count=1)
+    mbarrier.arrive(kv_free, count=1)             # K and V are read: the producer may load the next
     rows = key0 + gl.arange(0, WG_N, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
     offs = h * D + (start + rows)[:, None] * stride_t + cols[None, :]
@@ -285,71 +332,105 @@ def _dkdv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_bar, q_
 
 
 @gluon.jit
-def _dkdv_second_consumer(k_smem, v_smem, q_ring, do_ring, kv_bar, q_ready, do_ready, empty, k_desc, v_desc,
-                          q_desc, do_desc, DK, DV, LSE2, DELTA, start, seq_len, history, n0, h, H, stride_t,
-                          scale, qk_scale, inv_norm, i0, n_iters, ACTIVATION: gl.constexpr,
-                          CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
+def _dkdv_item_bounds(w, offsets, num_targets, H, n_bh, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
+                      HAS_TARGETS: gl.constexpr):
+    """dK/dV's work item w, the key tiles seen by the most queries first -> (h, n0, start,
+    seq_len, history, i0, n_iters): key rows [n0, n0 + 128) of head h against query tiles i0 ..
+    i0 + n_iters - 1 (BLOCK_M rows each), empty when n0 >= seq_len."""
+    level, b, h = _split(w, H, n_bh)
+    n0 = level * 128
+    start, seq_len, history = _sequence(offsets, num_targets, b, HAS_TARGETS)
+    i0 = 0
+    i_end = gl.cdiv(seq_len, BLOCK_M)
+    if CAUSAL:
+        i0 = n0 // BLOCK_M                         # queries from the key tile's first row on
+        if HAS_TARGETS:
+            if n0 >= history:                      # candidates' keys: each seen by its own row only
+                i_end = gl.cdiv(gl.minimum(n0 + 128, seq_len), BLOCK_M)
+    return h, n0, start, seq_len, history, i0, i_end - i0
+
+
+@gluon.jit
+def _dkdv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do_ready, empty,
+                   DK, DV, LSE2, DELTA, offsets, num_targets, H, n_bh, n_levels, stride_t, scale, qk_scale,
+                   inv_norm, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
+    """One warpgroup: its 64 key rows of every work item of this CTA (:func:`_dkdv_item`)."""
+    base = 0
+    item = 0
+    for w in range(gl.program_id(0), n_bh * n_levels, gl.num_programs(0)):
+        h, n0, start, seq_len, history, i0, n_iters = _dkdv_item_bounds(
+            w, offsets, num_targets, H, n_bh, q_ring.type.shape[1], CAUSAL, HAS_TARGETS)
+        if n0 < seq_len:
+            _dkdv_item(wg, k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do_ready, empty, DK, DV,
+                       LSE2, DELTA, start, seq_len, history, n0, h, H, stride_t, scale, qk_scale, inv_norm, i0,
+                       n_iters, base, item, ACTIVATION, CAUSAL, HAS_TARGETS)
+            base += n_iters
+            item += 1
+
+
+@gluon.jit
+def _dkdv_second_consumer(k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do_ready, empty, k_desc,
+                          v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, offsets, num_targets, H, n_bh, n_levels,
+                          stride_t, scale, qk_scale, inv_norm, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
+                          HAS_TARGETS: gl.constexpr):
     """Worker partition: the consumer of key rows 64..127 (workers share one signature)."""
-    _dkdv_consumer(1, k_smem, v_smem, q_ring, do_ring, kv_bar, q_ready, do_ready, empty, DK, DV, LSE2, DELTA,
-                   start, seq_len, history, n0, h, H, stride_t, scale, qk_scale, inv_norm, i0, n_iters,
+    _dkdv_consumer(1, k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do_ready, empty, DK, DV, LSE2,
+                   DELTA, offsets, num_targets, H, n_bh, n_levels, stride_t, scale, qk_scale, inv_norm,
                    ACTIVATION, CAUSAL, HAS_TARGETS)
 
 
 @gluon.jit
-def _dkdv_producer(k_smem, v_smem, q_ring, do_ring, kv_bar, q_ready, do_ready, empty, k_desc, v_desc,
-                   q_desc, do_desc, DK, DV, LSE2, DELTA, start, seq_len, history, n0, h, H, stride_t,
-                   scale, qk_scale, inv_norm, i0, n_iters, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
+def _dkdv_producer(k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do_ready, empty, k_desc, v_desc,
+                   q_desc, do_desc, DK, DV, LSE2, DELTA, offsets, num_targets, H, n_bh, n_levels, stride_t,
+                   scale, qk_scale, inv_norm, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
                    HAS_TARGETS: gl.constexpr):
-    """Worker partition, one warp: both K/V halves once, then Q and dO tiles into the ring."""
-    col = h * k_smem.type.shape[2]
-    _load_halves(k_desc, v_desc, k_smem, v_smem, kv_bar, start + n0, col)
-    _stream_tiles(q_desc, do_desc, q_ring, do_ring, q_ready, do_ready, empty, start + i0 * q_ring.type.shape[1],
-                  n_iters, col)
+    """Worker partition, one warp: per work item, both K/V halves (once the consumers are done
+    with the last ones), then its Q and dO tiles into the ring."""
+    BLOCK_M: gl.constexpr = q_ring.type.shape[1]
+    base = 0
+    item = 0
+    for w in range(gl.program_id(0), n_bh * n_levels, gl.num_programs(0)):
+        h, n0, start, seq_len, history, i0, n_iters = _dkdv_item_bounds(
+            w, offsets, num_targets, H, n_bh, BLOCK_M, CAUSAL, HAS_TARGETS)
+        if n0 < seq_len:
+            col = h * k_smem.type.shape[2]
+            mbarrier.wait(kv_free, (item & 1) ^ 1)       # fresh barrier: passes
+            _load_halves(k_desc, v_desc, k_smem, v_smem, kv_bar, start + n0, col)
+            _stream_tiles(q_desc, do_desc, q_ring, do_ring, q_ready, do_ready, empty, start + i0 * BLOCK_M,
+                          n_iters, col, base)
+            base += n_iters
+            item += 1
 
 
 @gluon.jit
 def _jagged_attn_bwd_dkdv_hopper(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, offsets, num_targets,
-                                 stride_t, H, scale, qk_scale, inv_norm, STAGES: gl.constexpr,
+                                 stride_t, H, n_bh, n_levels, scale, qk_scale, inv_norm, STAGES: gl.constexpr,
                                  ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
-    """Grid (B·H, cdiv(max_len, 128)), the key tiles seen by the most queries first. Descriptors
-    over (T, H·D) row views: k / v in (64, D) blocks, q / dO in (BLOCK_M, D). DK, DV (T, H, D)
-    with row stride stride_t; LSE2, DELTA (T, H) float32 (softmax only)."""
-    WG_N: gl.constexpr = k_desc.block_type.shape[0]
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
-    pid_bh = gl.program_id(0)
-    b = pid_bh // H
-    h = pid_bh % H
-    n0 = gl.program_id(1) * (2 * WG_N)
-    start, seq_len, history = _sequence(offsets, num_targets, b, HAS_TARGETS)
-    if n0 < seq_len:
-        i0 = 0
-        i_end = gl.cdiv(seq_len, BLOCK_M)
-        if CAUSAL:
-            i0 = n0 // BLOCK_M                     # queries from the key tile's first row on
-            if HAS_TARGETS:
-                if n0 >= history:                  # candidates' keys: each seen by its own row only
-                    i_end = gl.cdiv(gl.minimum(n0 + 2 * WG_N, seq_len), BLOCK_M)
-        n_iters = i_end - i0
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
-        q_ring = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-        do_ring = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_bar, count=1)
-        q_ready, do_ready, empty = _ring_barriers(STAGES)
-        gl.warp_specialize([
-            (_dkdv_consumer, (0, k_smem, v_smem, q_ring, do_ring, kv_bar, q_ready, do_ready, empty, DK, DV,
-                              LSE2, DELTA, start, seq_len, history, n0, h, H, stride_t, scale, qk_scale,
-                              inv_norm, i0, n_iters, ACTIVATION, CAUSAL, HAS_TARGETS)),
-            (_dkdv_second_consumer, (k_smem, v_smem, q_ring, do_ring, kv_bar, q_ready, do_ready, empty, k_desc,
-                                     v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, start, seq_len, history,
-                                     n0, h, H, stride_t, scale, qk_scale, inv_norm, i0, n_iters, ACTIVATION,
-                                     CAUSAL, HAS_TARGETS)),
-            (_dkdv_producer, (k_smem, v_smem, q_ring, do_ring, kv_bar, q_ready, do_ready, empty, k_desc, v_desc,
-                              q_desc, do_desc, DK, DV, LSE2, DELTA, start, seq_len, history, n0, h, H,
-                              stride_t, scale, qk_scale, inv_norm, i0, n_iters, ACTIVATION, CAUSAL,
-                              HAS_TARGETS)),
-        ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+    """Persistent over n_bh·n_levels work items (n_bh = B·H; :func:`_dkdv_item_bounds`).
+    Descriptors over (T, H·D) row views: k / v in (64, D) blocks, q / dO in (BLOCK_M, D). DK, DV
+    (T, H, D) with row stride stride_t; LSE2, DELTA (T, H) float32 (softmax only)."""
+    gl.static_assert(k_desc.block_type.shape[0] == 64)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    q_ring = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_ring = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(kv_free, count=2)
+    q_ready, do_ready, empty = _ring_barriers(STAGES)
+    gl.warp_specialize([
+        (_dkdv_consumer, (0, k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do_ready, empty, DK, DV,
+                          LSE2, DELTA, offsets, num_targets, H, n_bh, n_levels, stride_t, scale, qk_scale,
+                          inv_norm, ACTIVATION, CAUSAL, HAS_TARGETS)),
+        (_dkdv_second_consumer, (k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do_ready, empty,
+                                 k_desc, v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, offsets, num_targets, H,
+                                 n_bh, n_levels, stride_t, scale, qk_scale, inv_norm, ACTIVATION, CAUSAL,
+                                 HAS_TARGETS)),
+        (_dkdv_producer, (k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do_ready, empty, k_desc,
+                          v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, offsets, num_targets, H, n_bh, n_levels,
+                          stride_t, scale, qk_scale, inv_norm, ACTIVATION, CAUSAL, HAS_TARGETS)),
+    ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
 # --------------------------------------------------------------------------- host side
@@ -374,10 +455,11 @@ def _row_view(x: torch.Tensor) -> torch.Tensor:
 
 
 def jagged_attention_bwd_hopper(do, q, k, v, out, lse2, offsets, activation: str, causal: bool, scale: float,
-                                inv_norm: float, max_seqlen: int, num_targets=None):
+                                inv_norm: float, max_seqlen: int, num_targets=None, *, persistent: bool = True):
     """(dq, dk, dv), each (T, H, D) contiguous in q's dtype, of the Gluon / Triton forward's
     (out, lse2). Inputs as :func:`jagged_attention_gluon.unsupported_reason` accepts; do (T, H, D)
-    any layout; offsets (B+1,) int64 and num_targets (B,) int64 (causal only) on the GPU."""
+    any layout; offsets (B+1,) int64 and num_targets (B,) int64 (causal only) on the GPU.
+    ``persistent``: one CTA per SM looping over the work items (default), else one per item."""
     T, H, D = q.shape
     B = offsets.numel() - 1
     dq, dk, dv = (torch.empty(T, H, D, device=q.device, dtype=q.dtype) for _ in range(3))
@@ -392,14 +474,17 @@ def jagged_attention_bwd_hopper(do, q, k, v, out, lse2, offsets, activation: str
     flags = dict(ACTIVATION=ACTIVATION_CODES[activation], CAUSAL=bool(causal),
                  HAS_TARGETS=num_targets is not None, num_warps=4, maxnreg=MAXNREG)
     targets = offsets if num_targets is None else num_targets
-    rows, slot, stages = DQ_TILE
-    _jagged_attn_bwd_dq_hopper[(B * H, math.ceil(max_seqlen / rows))](
-        descriptor(q, rows // 2), descriptor(do, rows // 2), descriptor(k, slot), descriptor(v, slot),
-        dq, out, lse2, delta, offsets, targets, dq.stride(0), out.stride(0), H, scale, qk_scale, inv_norm,
-        STAGES=stages, **flags)
-    rows, slot, stages = DKDV_TILE
-    _jagged_attn_bwd_dkdv_hopper[(B * H, math.ceil(max_seqlen / rows))](
-        descriptor(k, rows // 2), descriptor(v, rows // 2), descriptor(q, slot), descriptor(do, slot),
-        dk, dv, lse2, delta, offsets, targets, dk.stride(0), H, scale, qk_scale, inv_norm,
+    n_levels = math.ceil(max_seqlen / 128)          # 128-row tiles of the longest sequence
+    n_items = B * H * n_levels
+    ctas = min(n_items, sm_count(q.device)) if persistent else n_items
+    _, slot, stages = DQ_TILE
+    _jagged_attn_bwd_dq_hopper[(ctas,)](
+        descriptor(q, 64), descriptor(do, 64), descriptor(k, slot), descriptor(v, slot),
+        dq, out, lse2, delta, offsets, targets, dq.stride(0), out.stride(0), H, B * H, n_levels, scale, qk_scale,
+        inv_norm, STAGES=stages, **flags)
+    _, slot, stages = DKDV_TILE
+    _jagged_attn_bwd_dkdv_hopper[(ctas,)](
+        descriptor(k, 64), descriptor(v, 64), descriptor(q, slot), descriptor(do, slot),
+        dk, dv, lse2, delta, offsets, targets, dk.stride(0), H, B * H, n_levels, scale, qk_scale, inv_norm,
         STAGES=stages, **flags)
     return dq, dk, dv
