@@ -156,25 +156,29 @@ def _activate(s, j, rows, seq_len, history, m_i, l_i, n_full, qk_scale, ACTIVATI
               CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr, BLOCK_N: gl.constexpr,
               s_layout: gl.constexpr):
     """Scores (64, BLOCK_N) of key tile j -> (p, m_i, l_i, alpha). Softmax: online, base 2
-    (``qk_scale`` = scale·log2 e; alpha rescales the accumulator). Others: act(scale·s), masked
-    (``qk_scale`` = scale; m_i, l_i, alpha unused). Tiles from n_full on are masked
-    (:func:`_allowed`)."""
-    s = s * qk_scale
+    (``qk_scale`` = scale·log2 e > 0; m_i in scaled units; alpha rescales the accumulator).
+    Others: act(scale·s), masked (``qk_scale`` = scale; m_i, l_i, alpha unused). Tiles from
+    n_full on are masked (:func:`_allowed`). The scale goes into one fused multiply-add per score
+    where it can (the activation's arithmetic is what limits this kernel beside the wgmmas)."""
     keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     allowed = _allowed(rows[:, None], keys[None, :], seq_len, history, CAUSAL, HAS_TARGETS)
     if ACTIVATION == 0:
         if j >= n_full:
             s = gl.where(allowed, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)   # = the max of the scaled scores
         m_use = m_new
         if HAS_TARGETS:    # a candidate sees no key in the tiles between the history and itself
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_use[:, None])
+        p = gl.exp2(s * qk_scale - m_use[:, None])
         alpha = gl.exp2(m_i - m_use)
         l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
     else:
-        p = _pointwise(s, ACTIVATION)
+        if ACTIVATION == 1:    # silu(x) = x sigmoid(x) = h + h tanh(h), h = x / 2
+            half = s * (0.5 * qk_scale)
+            p = half + half * _tanh_fast(half)
+        else:
+            p = _pointwise(s * qk_scale, ACTIVATION)
         if j >= n_full:
             p = gl.where(allowed, p, 0.0)
         alpha = m_i
