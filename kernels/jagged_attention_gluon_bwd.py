@@ -1,13 +1,16 @@
 """Hopper backward of jagged self-attention in Gluon, the companion of the Gluon forward
 (``jagged_attention_gluon``): two warp-specialized kernels, no atomics.
 
-- dQ (runs first): one CTA per (sequence, head, 128 query rows), heaviest first. A producer warp
-  loads both 64-row halves of Q and dO once, then 64-row K/V tiles into a ring; two consumer
+Both are persistent, as the forward: one CTA per SM loops over the work items, heaviest first,
+and the producer loads an item's resident tiles once the consumers are done with the last ones.
+
+- dQ (runs first): per (sequence, head, 128 query rows). A producer warp
+  loads both 64-row halves of Q and dO, then 64-row K/V tiles into a ring; two consumer
   warpgroups own 64 query rows each. Softmax first writes ``delta = rowsum(dO·O)`` for its rows.
   Per key tile: S = Q Kᵀ and dP = dO Vᵀ go out together; dS = P ⊙ (dP − delta) with
   P = exp2(S·scale·log2 e − lse) (softmax) or dS = dP ⊙ act'(scale·S) / norm; dQ += dS K.
-- dK/dV: one CTA per (sequence, head, 128 key rows), the key tiles seen by the most queries first.
-  The producer loads both K/V halves once, then 64-row Q/dO tiles into a ring; each consumer
+- dK/dV: per (sequence, head, 128 key rows), the key tiles seen by the most queries first.
+  The producer loads both K/V halves, then 64-row Q/dO tiles into a ring; each consumer
   warpgroup keeps dK and dV of its 64 key rows in registers. Per query tile, with the scores
   transposed (keys x queries): Sᵀ = K Qᵀ and dPᵀ = V dOᵀ go out together; dV += Pᵀ dO goes out
   while dSᵀ is computed; dK += dSᵀ Q.
