@@ -83,6 +83,25 @@ def _load_halves(a_desc, b_desc, a_smem, b_smem, bar, first_row, col):
         _tma_load(b_desc, [first_row + half * HALF, col], bar, b_smem.index(half))
 
 
+@gluon.jit
+def _buffers(a_desc, b_desc, c_desc, d_desc, STAGES: gl.constexpr):
+    """Shared memory of a backward kernel: both 64-row halves of its two resident tiles (a, b),
+    STAGES ring slots of its two streamed ones (c, d), and their barriers: (a_smem, b_smem,
+    c_ring, d_ring, resident_ready (the halves landed), resident_free (both consumers are done
+    with them), c_ready, d_ready, empty)."""
+    gl.static_assert(a_desc.block_type.shape[0] == 64)
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [2] + a_desc.block_type.shape, a_desc.layout)
+    b_smem = gl.allocate_shared_memory(b_desc.dtype, [2] + b_desc.block_type.shape, b_desc.layout)
+    c_ring = gl.allocate_shared_memory(c_desc.dtype, [STAGES] + c_desc.block_type.shape, c_desc.layout)
+    d_ring = gl.allocate_shared_memory(d_desc.dtype, [STAGES] + d_desc.block_type.shape, d_desc.layout)
+    resident_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    resident_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(resident_ready, count=1)
+    mbarrier.init(resident_free, count=2)
+    c_ready, d_ready, empty = _ring_barriers(STAGES)
+    return a_smem, b_smem, c_ring, d_ring, resident_ready, resident_free, c_ready, d_ready, empty
+
+
 # --------------------------------------------------------------------------- dQ
 @gluon.jit
 def _dq_item(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty,
@@ -224,16 +243,8 @@ def _jagged_attn_bwd_dq_hopper(q_desc, do_desc, k_desc, v_desc, DQ, O, LSE2, DEL
     Descriptors over (T, H·D) row views: q / dO in (64, D) blocks, k / v in (BLOCK_N, D). DQ
     (T, H, D) with row stride stride_t; O (T, H, D) with row stride stride_o (softmax only);
     LSE2, DELTA (T, H) float32."""
-    gl.static_assert(q_desc.block_type.shape[0] == 64)
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-    do_smem = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
-    k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    qdo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    qdo_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(qdo_bar, count=1)
-    mbarrier.init(qdo_free, count=2)
-    k_ready, v_ready, empty = _ring_barriers(STAGES)
+    q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty = _buffers(
+        q_desc, do_desc, k_desc, v_desc, STAGES)
     # the argument tuples are written out: a tuple bound to a name first loses its constexprs
     gl.warp_specialize([
         (_dq_consumer, (0, q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty, DQ, O,
@@ -412,16 +423,8 @@ def _jagged_attn_bwd_dkdv_hopper(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE2, 
     """Persistent over n_bh·n_levels work items (n_bh = B·H; :func:`_dkdv_item_bounds`).
     Descriptors over (T, H·D) row views: k / v in (64, D) blocks, q / dO in (BLOCK_M, D). DK, DV
     (T, H, D) with row stride stride_t; LSE2, DELTA (T, H) float32 (softmax only)."""
-    gl.static_assert(k_desc.block_type.shape[0] == 64)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
-    q_ring = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-    do_ring = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    mbarrier.init(kv_free, count=2)
-    q_ready, do_ready, empty = _ring_barriers(STAGES)
+    k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do_ready, empty = _buffers(
+        k_desc, v_desc, q_desc, do_desc, STAGES)
     gl.warp_specialize([
         (_dkdv_consumer, (0, k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do_ready, empty, DK, DV,
                           LSE2, DELTA, offsets, num_targets, H, n_bh, n_levels, stride_t, scale, qk_scale,
