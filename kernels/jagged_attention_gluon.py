@@ -322,14 +322,31 @@ def _producer(q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty
 @gluon.jit
 def _jagged_attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE2, offsets, num_targets, stride_t, H, n_bh, n_m_tiles,
                             qk_scale, inv_norm, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
-                            CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
-    """Persistent: CTA p takes work items p, p + P, p + 2P, ... (P CTAs; :func:`_work_item`,
-    n_bh·n_m_tiles items, n_bh = B·H), so a consumer's epilogue overlaps the next item's loads.
+                            CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr, PERSISTENT: gl.constexpr):
+    """CTA p takes work items p, p + P, p + 2P, ... (P CTAs; :func:`_work_item`, n_bh·n_m_tiles
+    items, n_bh = B·H): persistent, P is the SM count and a consumer's epilogue overlaps the next
+    item's loads; else P covers every item and an empty item's CTA returns at once.
     Descriptors over the (T, H·D) views, blocks (64, D) for q and (BLOCK_N, D) for k and v;
     O (T, H, D) contiguous; LSE2 (T, H) float32, softmax only; num_targets (B,) int64, read only
     when HAS_TARGETS (causal)."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     gl.static_assert(_BLOCK_M % BLOCK_N == 0)
+    if PERSISTENT:
+        active = True
+    else:
+        _, m0, _, seq_len, _, _, _ = _work_item(gl.program_id(0), offsets, num_targets, H, n_bh, n_m_tiles, CAUSAL,
+                                                HAS_TARGETS, BLOCK_N)
+        active = m0 < seq_len
+    if active:
+        _launch_partitions(q_desc, k_desc, v_desc, O, LSE2, offsets, num_targets, stride_t, H, n_bh, n_m_tiles,
+                           qk_scale, inv_norm, STAGES, ACTIVATION, CAUSAL, HAS_TARGETS)
+
+
+@gluon.jit
+def _launch_partitions(q_desc, k_desc, v_desc, O, LSE2, offsets, num_targets, stride_t, H, n_bh, n_m_tiles,
+                       qk_scale, inv_norm, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
+                       CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
+    """Shared memory, barriers and the three partitions of :func:`_jagged_attn_fwd_hopper`."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -447,6 +464,6 @@ def jagged_attention_fwd_hopper(q, k, v, offsets, activation: str, causal: bool,
         *_descriptors(q, k, v, block_n), out, lse2, offsets,
         offsets if num_targets is None else num_targets, out.stride(0), H, B * H, n_m_tiles, qk_scale, inv_norm,
         STAGES=stages, ACTIVATION=ACTIVATION_CODES[activation], CAUSAL=bool(causal),
-        HAS_TARGETS=num_targets is not None,
+        HAS_TARGETS=num_targets is not None, PERSISTENT=persistent,
         num_warps=4, maxnreg=MAXNREG)
     return out, lse2

@@ -238,11 +238,27 @@ def _dq_producer(q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_
 def _jagged_attn_bwd_dq_hopper(q_desc, do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, offsets, num_targets,
                                stride_t, stride_o, H, n_bh, n_levels, scale, qk_scale, inv_norm,
                                STAGES: gl.constexpr, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
-                               HAS_TARGETS: gl.constexpr):
-    """Persistent over n_bh·n_levels work items (n_bh = B·H; :func:`_dq_item_bounds`).
-    Descriptors over (T, H·D) row views: q / dO in (64, D) blocks, k / v in (BLOCK_N, D). DQ
-    (T, H, D) with row stride stride_t; O (T, H, D) with row stride stride_o (softmax only);
-    LSE2, DELTA (T, H) float32."""
+                               HAS_TARGETS: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Over n_bh·n_levels work items (n_bh = B·H; :func:`_dq_item_bounds`), persistent or one
+    CTA per item (an empty item's returns at once), as the forward. Descriptors over (T, H·D)
+    row views: q / dO in (64, D) blocks, k / v in (BLOCK_N, D). DQ (T, H, D) with row stride
+    stride_t; O (T, H, D) with row stride stride_o (softmax only); LSE2, DELTA (T, H) float32."""
+    if PERSISTENT:
+        active = True
+    else:
+        _, m0, _, seq_len, _, _, _ = _dq_item_bounds(gl.program_id(0), offsets, num_targets, H, n_bh, n_levels,
+                                                      k_desc.block_type.shape[0], CAUSAL, HAS_TARGETS)
+        active = m0 < seq_len
+    if active:
+        _dq_partitions(q_desc, do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, offsets, num_targets, stride_t, stride_o,
+                       H, n_bh, n_levels, scale, qk_scale, inv_norm, STAGES, ACTIVATION, CAUSAL, HAS_TARGETS)
+
+
+@gluon.jit
+def _dq_partitions(q_desc, do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, offsets, num_targets, stride_t, stride_o,
+                   H, n_bh, n_levels, scale, qk_scale, inv_norm, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
+                   CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
+    """Shared memory, barriers and the three partitions of :func:`_jagged_attn_bwd_dq_hopper`."""
     q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty = _buffers(
         q_desc, do_desc, k_desc, v_desc, STAGES)
     # the argument tuples are written out: a tuple bound to a name first loses its constexprs
@@ -419,10 +435,28 @@ def _dkdv_producer(k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do
 @gluon.jit
 def _jagged_attn_bwd_dkdv_hopper(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, offsets, num_targets,
                                  stride_t, H, n_bh, n_levels, scale, qk_scale, inv_norm, STAGES: gl.constexpr,
-                                 ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
-    """Persistent over n_bh·n_levels work items (n_bh = B·H; :func:`_dkdv_item_bounds`).
-    Descriptors over (T, H·D) row views: k / v in (64, D) blocks, q / dO in (BLOCK_M, D). DK, DV
-    (T, H, D) with row stride stride_t; LSE2, DELTA (T, H) float32 (softmax only)."""
+                                 ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr,
+                                 PERSISTENT: gl.constexpr):
+    """Over n_bh·n_levels work items (n_bh = B·H; :func:`_dkdv_item_bounds`), persistent or one
+    CTA per item (an empty item's returns at once), as the forward. Descriptors over (T, H·D)
+    row views: k / v in (64, D) blocks, q / dO in (BLOCK_M, D). DK, DV (T, H, D) with row stride
+    stride_t; LSE2, DELTA (T, H) float32 (softmax only)."""
+    if PERSISTENT:
+        active = True
+    else:
+        _, n0, _, seq_len, _, _, _ = _dkdv_item_bounds(gl.program_id(0), offsets, num_targets, H, n_bh,
+                                                        q_desc.block_type.shape[0], CAUSAL, HAS_TARGETS)
+        active = n0 < seq_len
+    if active:
+        _dkdv_partitions(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, offsets, num_targets, stride_t, H,
+                         n_bh, n_levels, scale, qk_scale, inv_norm, STAGES, ACTIVATION, CAUSAL, HAS_TARGETS)
+
+
+@gluon.jit
+def _dkdv_partitions(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, offsets, num_targets, stride_t, H,
+                     n_bh, n_levels, scale, qk_scale, inv_norm, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
+                     CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
+    """Shared memory, barriers and the three partitions of :func:`_jagged_attn_bwd_dkdv_hopper`."""
     k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do_ready, empty = _buffers(
         k_desc, v_desc, q_desc, do_desc, STAGES)
     gl.warp_specialize([
@@ -478,7 +512,7 @@ def jagged_attention_bwd_hopper(do, q, k, v, out, lse2, offsets, activation: str
     delta = torch.empty(T if softmax else 0, H, device=q.device, dtype=torch.float32)
     qk_scale = scale * 1.4426950408889634
     flags = dict(ACTIVATION=ACTIVATION_CODES[activation], CAUSAL=bool(causal),
-                 HAS_TARGETS=num_targets is not None, num_warps=4, maxnreg=MAXNREG)
+                 HAS_TARGETS=num_targets is not None, PERSISTENT=persistent, num_warps=4, maxnreg=MAXNREG)
     targets = offsets if num_targets is None else num_targets
     n_levels = math.ceil(max_seqlen / 128)          # 128-row tiles of the longest sequence
     n_items = B * H * n_levels

@@ -87,9 +87,10 @@ def test_a_part_that_fails_to_build_turns_itself_off_with_a_warning(monkeypatch)
     assert jt.backward_kernel(on_gpu, None, None, None) == "triton"
 
 
-@pytest.mark.parametrize("activation,causal,dtype,head_dim", [
-    ("softmax", True, torch.bfloat16, 128), ("gelu", False, torch.float16, 64)])
-def test_compiles_for_sm90_with_the_installed_triton(activation, causal, dtype, head_dim):
+@pytest.mark.parametrize("activation,causal,dtype,head_dim,persistent", [
+    ("softmax", True, torch.bfloat16, 128, True), ("gelu", False, torch.float16, 64, True),
+    ("silu", True, torch.bfloat16, 128, False)])
+def test_compiles_for_sm90_with_the_installed_triton(activation, causal, dtype, head_dim, persistent):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -101,8 +102,8 @@ def test_compiles_for_sm90_with_the_installed_triton(activation, causal, dtype, 
                  "v_desc": mangle_type(descs[2]), "O": "*bf16" if dtype == torch.bfloat16 else "*fp16",
                  "LSE2": "*fp32", "offsets": "*i64", "num_targets": "*i64", "stride_t": "i32", "H": "i32",
                  "n_bh": "i32", "n_m_tiles": "i32", "qk_scale": "fp32", "inv_norm": "fp32", "STAGES": "constexpr", "ACTIVATION": "constexpr",
-                 "CAUSAL": "constexpr", "HAS_TARGETS": "constexpr"}
-    constexprs = {"STAGES": stages, "CAUSAL": causal, "HAS_TARGETS": causal,
+                 "CAUSAL": "constexpr", "HAS_TARGETS": "constexpr", "PERSISTENT": "constexpr"}
+    constexprs = {"STAGES": stages, "CAUSAL": causal, "HAS_TARGETS": causal, "PERSISTENT": persistent,
                   "ACTIVATION": gluon_attention.ACTIVATION_CODES[activation]}
     src = GluonASTSource(gluon_attention._jagged_attn_fwd_hopper, signature, constexprs=constexprs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),

@@ -59,19 +59,21 @@ def _check_gradients(q, k, v, offsets, activation, causal, num_targets=None, do=
         assert err <= tol * float(ref.norm()) + 1e-4 * got.numel() ** 0.5, (name, err, float(ref.norm()))
 
 
-@pytest.mark.parametrize("activation,causal,targets,dtype,head_dim", [
-    ("softmax", True, True, torch.bfloat16, 128), ("silu", True, False, torch.bfloat16, 128),
-    ("gelu", False, False, torch.float16, 64)])
-def test_compiles_for_sm90_with_the_installed_triton(activation, causal, targets, dtype, head_dim):
+@pytest.mark.parametrize("activation,causal,targets,dtype,head_dim,persistent", [
+    ("softmax", True, True, torch.bfloat16, 128, True), ("silu", True, False, torch.bfloat16, 128, True),
+    ("gelu", False, False, torch.float16, 64, True), ("softmax", True, False, torch.bfloat16, 128, False)])
+def test_compiles_for_sm90_with_the_installed_triton(activation, causal, targets, dtype, head_dim, persistent):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
     x = torch.zeros(256, 4, head_dim, dtype=dtype)
     ptr = "*bf16" if dtype == torch.bfloat16 else "*fp16"
-    flags = {"ACTIVATION": ACTIVATION_CODES[activation], "CAUSAL": causal, "HAS_TARGETS": targets}
+    flags = {"ACTIVATION": ACTIVATION_CODES[activation], "CAUSAL": causal, "HAS_TARGETS": targets,
+             "PERSISTENT": persistent}
     scalars = {"scale": "fp32", "qk_scale": "fp32", "inv_norm": "fp32", "STAGES": "constexpr",
-               "ACTIVATION": "constexpr", "CAUSAL": "constexpr", "HAS_TARGETS": "constexpr"}
+               "ACTIVATION": "constexpr", "CAUSAL": "constexpr", "HAS_TARGETS": "constexpr",
+               "PERSISTENT": "constexpr"}
     rows, slot, dq_stages = gluon_bwd.DQ_TILE
     dq_descs = [gluon_bwd.descriptor(x, r) for r in (rows // 2, rows // 2, slot, slot)]
     dq_signature = dict(zip(("q_desc", "do_desc", "k_desc", "v_desc"), map(mangle_type, dq_descs)),
