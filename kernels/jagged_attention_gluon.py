@@ -51,6 +51,10 @@ MAXNREG = 168
 #: both gain. The thresholds between and below those points are not measured.
 MIN_MEAN_LEN = {"softmax": 256, "pointwise": 512}
 HEAD_DIMS = (64, 128)
+#: cross attention (q sequence b against kv sequence b, not causal) through this forward. Written
+#: and compiled for sm_90 in session 18, not yet run on a GPU: off until its GPU tests
+#: (tests/test_jagged_attention_gluon.py, cross) have passed; the Triton forward takes it meanwhile
+CROSS_ATTENTION = False
 _DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -193,24 +197,45 @@ def _split(w, H, n_bh):
 
 
 @gluon.jit
-def _work_item(w, offsets, num_targets, H, n_bh, n_m_tiles, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr,
-               BLOCK_N: gl.constexpr):
+def _work_item(w, offsets, kv_offsets, num_targets, H, n_bh, n_m_tiles, CAUSAL: gl.constexpr,
+               HAS_TARGETS: gl.constexpr, CROSS: gl.constexpr, BLOCK_N: gl.constexpr):
     """Work item w, heaviest first (query-tile level from the last down, then sequence, then head)
-    -> (h, m0, start, seq_len, history, n_full, n_tiles): query rows [m0, m0 + 128) of head h;
-    the item is empty when m0 >= seq_len."""
+    -> (h, m0, start, seq_len, kv_start, kv_len, history, n_full, n_tiles): query rows
+    [m0, m0 + 128) of head h against the key rows [kv_start, kv_start + kv_len) (its own
+    sequence's, or with CROSS the kv sequence's); the item is empty when m0 >= seq_len."""
     level, b, h = _split(w, H, n_bh)
     m0 = (n_m_tiles - 1 - level) * _BLOCK_M
     start, seq_len, history = _sequence(offsets, num_targets, b, HAS_TARGETS)
-    n_full, n_tiles = _key_tiles(m0, seq_len, history, _BLOCK_M, BLOCK_N, CAUSAL)
-    return h, m0, start, seq_len, history, n_full, n_tiles
+    kv_start = start
+    kv_len = seq_len
+    if CROSS:
+        kv_start, kv_len, _ = _sequence(kv_offsets, num_targets, b, False)
+    n_full, n_tiles = _key_tiles(m0, kv_len, history, _BLOCK_M, BLOCK_N, CAUSAL)
+    return h, m0, start, seq_len, kv_start, kv_len, history, n_full, n_tiles
+
+
+@gluon.jit
+def _store_no_keys(wg: gl.constexpr, O, LSE2, start, seq_len, m0, h, H, stride_t, ACTIVATION: gl.constexpr,
+                   D: gl.constexpr):
+    """Query rows [m0 + 64·wg, +64) that meet no key: output zeros and, softmax, LSE +inf (so the
+    backward's probabilities are 0), as the Triton forward writes them."""
+    io: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows = m0 + wg * (_BLOCK_M // 2) + gl.arange(0, _BLOCK_M // 2, layout=gl.SliceLayout(1, io))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, io))
+    gl.store(O + h * D + (start + rows)[:, None] * stride_t + cols[None, :],
+             gl.zeros([_BLOCK_M // 2, D], O.dtype.element_ty, io), mask=(rows < seq_len)[:, None])
+    if ACTIVATION == 0:
+        gl.store(LSE2 + (start + rows) * H + h, gl.full([_BLOCK_M // 2], float("inf"), gl.float32,
+                                                        gl.SliceLayout(1, io)), mask=rows < seq_len)
 
 
 @gluon.jit
 def _attend(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, O, LSE2,
-            start, seq_len, history, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles, base, item,
+            start, seq_len, kv_len, history, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles, base, item,
             ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
-    """One warpgroup, one work item: query rows [m0 + 64·wg, +64) against key tiles
-    0..n_tiles-1, which sit in ring slots from ``base`` on (``item``: the CTA's items before)."""
+    """One warpgroup, one work item: query rows [m0 + 64·wg, +64) (of seq_len) against key tiles
+    0..n_tiles-1 (of kv_len keys), which sit in ring slots from ``base`` on (``item``: the CTA's
+    items before)."""
     WG_M: gl.constexpr = _BLOCK_M // 2
     STAGES: gl.constexpr = k_ring.type.shape[0]
     BLOCK_N: gl.constexpr = k_ring.type.shape[1]
@@ -229,7 +254,7 @@ def _attend(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v
                       gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout), use_acc=False)
     m_i = gl.full([WG_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([WG_M], gl.float32, gl.SliceLayout(1, s_layout))
-    p, m_i, l_i, alpha = _activate(s, 0, rows, seq_len, history, m_i, l_i, n_full, qk_scale, ACTIVATION,
+    p, m_i, l_i, alpha = _activate(s, 0, rows, kv_len, history, m_i, l_i, n_full, qk_scale, ACTIVATION,
                                    CAUSAL, HAS_TARGETS, BLOCK_N, s_layout)
     acc = gl.zeros([WG_M, D], gl.float32, o_layout)
     for j in range(n_tiles - 1):
@@ -244,8 +269,9 @@ def _attend(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v
         o_tok = warpgroup_mma(gl.convert_layout(p.to(k_ring.dtype), p_layout), v_ring.index(stage), acc,
                               is_async=True)
         s = warpgroup_mma_wait(1, deps=[s_tok])    # Q·K_{j+1}ᵀ is done; P_j·V_j may still run ...
-        p, m_i, l_i, alpha = _activate(s, j + 1, rows, seq_len, history, m_i, l_i, n_full, qk_scale,
-                                       ACTIVATION, CAUSAL, HAS_TARGETS, BLOCK_N, s_layout)   # ... under tile j+1's activation
+        # ... under tile j+1's activation
+        p, m_i, l_i, alpha = _activate(s, j + 1, rows, kv_len, history, m_i, l_i, n_full, qk_scale,
+                                       ACTIVATION, CAUSAL, HAS_TARGETS, BLOCK_N, s_layout)
         acc = warpgroup_mma_wait(0, deps=[o_tok])
         mbarrier.arrive(kv_empty.index(stage), count=1)
         if ACTIVATION == 0:
@@ -269,83 +295,104 @@ def _attend(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v
 
 @gluon.jit
 def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, O, LSE2,
-              offsets, num_targets, stride_t, H, n_bh, n_m_tiles, qk_scale, inv_norm,
-              ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
+              offsets, kv_offsets, num_targets, stride_t, H, n_bh, n_m_tiles, qk_scale, inv_norm,
+              ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr, CROSS: gl.constexpr):
     """One warpgroup: its 64 query rows of every work item of this CTA (:func:`_attend`)."""
     BLOCK_N: gl.constexpr = k_ring.type.shape[1]
     base = 0
     item = 0
     for w in range(gl.program_id(0), n_bh * n_m_tiles, gl.num_programs(0)):
-        h, m0, start, seq_len, history, n_full, n_tiles = _work_item(w, offsets, num_targets, H, n_bh, n_m_tiles,
-                                                                     CAUSAL, HAS_TARGETS, BLOCK_N)
-        if m0 < seq_len:
-            _attend(wg, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, O, LSE2, start,
-                    seq_len, history, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles, base, item,
-                    ACTIVATION, CAUSAL, HAS_TARGETS)
-            base += n_tiles
-            item += 1
+        h, m0, start, seq_len, kv_start, kv_len, history, n_full, n_tiles = _work_item(
+            w, offsets, kv_offsets, num_targets, H, n_bh, n_m_tiles, CAUSAL, HAS_TARGETS, CROSS, BLOCK_N)
+        # (written out per case, so that self-attention, where every row sees a key, compiles to
+        # the code without the cross branch)
+        if CROSS:
+            if m0 < seq_len:
+                if n_tiles == 0:                   # an empty kv sequence
+                    _store_no_keys(wg, O, LSE2, start, seq_len, m0, h, H, stride_t, ACTIVATION,
+                                   k_ring.type.shape[2])
+                else:
+                    _attend(wg, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, O, LSE2,
+                            start, seq_len, kv_len, history, m0, h, H, stride_t, qk_scale, inv_norm, n_full,
+                            n_tiles, base, item, ACTIVATION, CAUSAL, HAS_TARGETS)
+                    base += n_tiles
+                    item += 1
+        else:
+            if m0 < seq_len:
+                _attend(wg, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, O, LSE2, start,
+                        seq_len, kv_len, history, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles, base,
+                        item, ACTIVATION, CAUSAL, HAS_TARGETS)
+                base += n_tiles
+                item += 1
 
 
 @gluon.jit
 def _second_consumer(q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, q_desc, k_desc, v_desc,
-                     O, LSE2, offsets, num_targets, stride_t, H, n_bh, n_m_tiles, qk_scale, inv_norm,
-                     ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
+                     O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, n_bh, n_m_tiles, qk_scale, inv_norm,
+                     ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr,
+                     CROSS: gl.constexpr):
     """Worker partition: the consumer of query rows 64..127 (workers share one signature)."""
-    _consumer(1, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, O, LSE2, offsets,
-              num_targets, stride_t, H, n_bh, n_m_tiles, qk_scale, inv_norm, ACTIVATION, CAUSAL, HAS_TARGETS)
+    _consumer(1, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, O, LSE2, offsets, kv_offsets,
+              num_targets, stride_t, H, n_bh, n_m_tiles, qk_scale, inv_norm, ACTIVATION, CAUSAL, HAS_TARGETS, CROSS)
 
 
 @gluon.jit
 def _producer(q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, q_desc, k_desc, v_desc,
-              O, LSE2, offsets, num_targets, stride_t, H, n_bh, n_m_tiles, qk_scale, inv_norm,
-              ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
-    """Worker partition, one warp: for each work item, both query halves (once the consumers are
-    done with the last ones), then its key/value tiles."""
+              O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, n_bh, n_m_tiles, qk_scale, inv_norm,
+              ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr, CROSS: gl.constexpr):
+    """Worker partition, one warp: for each work item that meets keys, both query halves (once
+    the consumers are done with the last ones), then its key/value tiles."""
     BLOCK_N: gl.constexpr = k_ring.type.shape[1]
     D: gl.constexpr = k_ring.type.shape[2]
     base = 0
     item = 0
     for w in range(gl.program_id(0), n_bh * n_m_tiles, gl.num_programs(0)):
-        h, m0, start, seq_len, history, n_full, n_tiles = _work_item(w, offsets, num_targets, H, n_bh, n_m_tiles,
-                                                                     CAUSAL, HAS_TARGETS, BLOCK_N)
-        if m0 < seq_len:
+        h, m0, start, seq_len, kv_start, kv_len, history, n_full, n_tiles = _work_item(
+            w, offsets, kv_offsets, num_targets, H, n_bh, n_m_tiles, CAUSAL, HAS_TARGETS, CROSS, BLOCK_N)
+        has_work = m0 < seq_len
+        if CROSS:
+            has_work = has_work & (n_tiles > 0)
+        if has_work:
             col = h * D
             mbarrier.wait(q_empty, (item & 1) ^ 1)     # fresh barrier: passes
             mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
             _tma_load(q_desc, [start + m0, col], q_bar, q_smem.index(0))
             _tma_load(q_desc, [start + m0 + _BLOCK_M // 2, col], q_bar, q_smem.index(1))
-            _stream_tiles(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, start, n_tiles, col, base)
+            _stream_tiles(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, kv_start, n_tiles, col, base)
             base += n_tiles
             item += 1
 
 
 @gluon.jit
-def _jagged_attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE2, offsets, num_targets, stride_t, H, n_bh, n_m_tiles,
-                            qk_scale, inv_norm, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
-                            CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr, PERSISTENT: gl.constexpr):
+def _jagged_attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, n_bh,
+                            n_m_tiles, qk_scale, inv_norm, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
+                            CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr, CROSS: gl.constexpr,
+                            PERSISTENT: gl.constexpr):
     """CTA p takes work items p, p + P, p + 2P, ... (P CTAs; :func:`_work_item`, n_bh·n_m_tiles
     items, n_bh = B·H): persistent, P is the SM count and a consumer's epilogue overlaps the next
     item's loads; else P covers every item and an empty item's CTA returns at once.
     Descriptors over the (T, H·D) views, blocks (64, D) for q and (BLOCK_N, D) for k and v;
-    O (T, H, D) contiguous; LSE2 (T, H) float32, softmax only; num_targets (B,) int64, read only
-    when HAS_TARGETS (causal)."""
+    O (T, H, D) contiguous; LSE2 (T, H) float32, softmax only; offsets (B+1,) of q's sequences;
+    kv_offsets (B+1,) of k's and v's, read only when CROSS (not causal); num_targets (B,) int64,
+    read only when HAS_TARGETS (causal)."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     gl.static_assert(_BLOCK_M % BLOCK_N == 0)
+    gl.static_assert(not (CROSS and CAUSAL))
     if PERSISTENT:
         active = True
     else:
-        _, m0, _, seq_len, _, _, _ = _work_item(gl.program_id(0), offsets, num_targets, H, n_bh, n_m_tiles, CAUSAL,
-                                                HAS_TARGETS, BLOCK_N)
+        _, m0, _, seq_len, _, _, _, _, _ = _work_item(gl.program_id(0), offsets, kv_offsets, num_targets, H, n_bh,
+                                                      n_m_tiles, CAUSAL, HAS_TARGETS, CROSS, BLOCK_N)
         active = m0 < seq_len
     if active:
-        _launch_partitions(q_desc, k_desc, v_desc, O, LSE2, offsets, num_targets, stride_t, H, n_bh, n_m_tiles,
-                           qk_scale, inv_norm, STAGES, ACTIVATION, CAUSAL, HAS_TARGETS)
+        _launch_partitions(q_desc, k_desc, v_desc, O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, n_bh,
+                           n_m_tiles, qk_scale, inv_norm, STAGES, ACTIVATION, CAUSAL, HAS_TARGETS, CROSS)
 
 
 @gluon.jit
-def _launch_partitions(q_desc, k_desc, v_desc, O, LSE2, offsets, num_targets, stride_t, H, n_bh, n_m_tiles,
-                       qk_scale, inv_norm, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
-                       CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
+def _launch_partitions(q_desc, k_desc, v_desc, O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, n_bh,
+                       n_m_tiles, qk_scale, inv_norm, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
+                       CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr, CROSS: gl.constexpr):
     """Shared memory, barriers and the three partitions of :func:`_jagged_attn_fwd_hopper`."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -358,14 +405,14 @@ def _launch_partitions(q_desc, k_desc, v_desc, O, LSE2, offsets, num_targets, st
     # the argument tuples are written out: a tuple bound to a name first loses its constexprs
     gl.warp_specialize([
         (_consumer, (0, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, O, LSE2, offsets,
-                     num_targets, stride_t, H, n_bh, n_m_tiles, qk_scale, inv_norm, ACTIVATION, CAUSAL,
-                     HAS_TARGETS)),
+                     kv_offsets, num_targets, stride_t, H, n_bh, n_m_tiles, qk_scale, inv_norm, ACTIVATION, CAUSAL,
+                     HAS_TARGETS, CROSS)),
         (_second_consumer, (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, q_desc, k_desc,
-                            v_desc, O, LSE2, offsets, num_targets, stride_t, H, n_bh, n_m_tiles, qk_scale,
-                            inv_norm, ACTIVATION, CAUSAL, HAS_TARGETS)),
+                            v_desc, O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, n_bh, n_m_tiles,
+                            qk_scale, inv_norm, ACTIVATION, CAUSAL, HAS_TARGETS, CROSS)),
         (_producer, (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, q_desc, k_desc, v_desc,
-                     O, LSE2, offsets, num_targets, stride_t, H, n_bh, n_m_tiles, qk_scale, inv_norm,
-                     ACTIVATION, CAUSAL, HAS_TARGETS)),
+                     O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, n_bh, n_m_tiles, qk_scale, inv_norm,
+                     ACTIVATION, CAUSAL, HAS_TARGETS, CROSS)),
     ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
@@ -373,8 +420,15 @@ def _launch_partitions(q_desc, k_desc, v_desc, O, LSE2, offsets, num_targets, st
 def unsupported_reason(q, k, v, offsets, kv_offsets, num_targets, causal: bool, window_left: int,
                        window_right: int) -> str | None:
     """Why this forward cannot take these inputs (None: it can), device aside."""
-    if offsets is None or kv_offsets is not None:
-        return "cross or pooled attention"
+    if offsets is None:
+        return "pooled attention"
+    if kv_offsets is not None:
+        if not CROSS_ATTENTION:
+            return "cross attention (CROSS_ATTENTION is off)"
+        if causal:
+            return "causal cross attention"
+        if k.shape[0] == 0:
+            return "no keys"
     if window_left >= 0 or window_right >= 0:
         return "a window"
     if num_targets is not None and not causal:
@@ -439,14 +493,16 @@ def _descriptors(q, k, v, block_n: int):
 
 
 def jagged_attention_fwd_hopper(q, k, v, offsets, activation: str, causal: bool, scale: float,
-                                inv_norm: float, max_seqlen: int, num_targets=None, *,
+                                inv_norm: float, max_seqlen: int, num_targets=None, *, kv_offsets=None,
                                 block_n: int | None = None, stages: int | None = None, persistent: bool = True):
     """(out (T, H, D) contiguous in q's dtype, lse2 (T, H) float32 base-2 log-sum-exp, empty
     (0, H) unless softmax), as the Triton forward returns them. Inputs as
     :func:`unsupported_reason` accepts; offsets (B+1,) int64 and num_targets (B,) int64 (causal
-    only) on the GPU. ``block_n`` (64 or 128) and ``stages``: the key tile and ring depth, for
-    experiments (default: TILES); shared memory must hold 2·64·D + 2·stages·block_n·D elements.
-    ``persistent``: one CTA per SM looping over the work items (default), else one per item."""
+    only) on the GPU; kv_offsets (B+1,) int64 for cross attention (k and v hold the kv
+    sequences; not causal; max_seqlen at least the longest q sequence). ``block_n`` (64 or 128)
+    and ``stages``: the key tile and ring depth, for experiments (default: TILES); shared memory
+    must hold 2·64·D + 2·stages·block_n·D elements. ``persistent``: one CTA per SM looping over
+    the work items (default), else one per item."""
     T, H, D = q.shape
     tile_n, tile_stages = TILES[_kind(activation)]
     block_n, stages = block_n or tile_n, stages or tile_stages
@@ -461,9 +517,9 @@ def jagged_attention_fwd_hopper(q, k, v, offsets, activation: str, causal: bool,
     n_items = B * H * n_m_tiles
     ctas = min(n_items, sm_count(q.device)) if persistent else n_items
     _jagged_attn_fwd_hopper[(ctas,)](
-        *_descriptors(q, k, v, block_n), out, lse2, offsets,
+        *_descriptors(q, k, v, block_n), out, lse2, offsets, offsets if kv_offsets is None else kv_offsets,
         offsets if num_targets is None else num_targets, out.stride(0), H, B * H, n_m_tiles, qk_scale, inv_norm,
         STAGES=stages, ACTIVATION=ACTIVATION_CODES[activation], CAUSAL=bool(causal),
-        HAS_TARGETS=num_targets is not None, PERSISTENT=persistent,
+        HAS_TARGETS=num_targets is not None, CROSS=kv_offsets is not None, PERSISTENT=persistent,
         num_warps=4, maxnreg=MAXNREG)
     return out, lse2

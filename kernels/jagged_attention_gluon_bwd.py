@@ -30,8 +30,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from gemcore.kernels.jagged_attention_gluon import (_CONSUMER_REGS, _PRODUCER_REGS, MAXNREG, _allowed, _key_tiles,
-                                                    _ring_barriers, _sequence, _split, _stream_tiles, _tanh_fast, _tma_load,
-                                                    descriptor, on_hopper, packed_rows, sm_count,
+                                                    _ring_barriers, _sequence, _split, _stream_tiles, _tanh_fast,
+                                                    _tma_load, descriptor, on_hopper, packed_rows, sm_count,
                                                     unsupported_reason)
 from gemcore.kernels.jagged_attention_triton_common import ACTIVATION_CODES
 
@@ -481,7 +481,7 @@ def gluon_backward_applies(q, k, v, offsets, kv_offsets, num_targets, causal: bo
     nor GEMCORE_GLUON_ATTENTION_BWD set to 0."""
     if "0" in (os.environ.get("GEMCORE_GLUON_ATTENTION", "1"), os.environ.get("GEMCORE_GLUON_ATTENTION_BWD", "1")):
         return False
-    if not on_hopper(q):
+    if not on_hopper(q) or kv_offsets is not None:       # self-attention only
         return False
     if unsupported_reason(q, k, v, offsets, kv_offsets, num_targets, causal, window_left, window_right):
         return False

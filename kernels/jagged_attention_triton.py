@@ -182,7 +182,7 @@ def backward_kernel(q, k, v, offsets, kv_offsets=None, num_targets=None, causal:
     return "triton"
 
 
-def _run_hopper(part: str, *args):
+def _run_hopper(part: str, *args, **kwargs):
     """The Gluon ``part``'s result ("forward": (out, lse2); "backward": (dq, dk, dv)), or None once
     it failed to build on this Triton or GPU (a Gluon API this code does not know, too little
     shared memory): then that part is turned off for the process with one warning naming the
@@ -193,8 +193,8 @@ def _run_hopper(part: str, *args):
     fwd_module, bwd_module = _hopper_modules()
     try:
         if part == "forward":
-            return fwd_module.jagged_attention_fwd_hopper(*args)
-        return bwd_module.jagged_attention_bwd_hopper(*args)
+            return fwd_module.jagged_attention_fwd_hopper(*args, **kwargs)
+        return bwd_module.jagged_attention_bwd_hopper(*args, **kwargs)
     except (CompilationError, OutOfResources) as exc:
         _hopper_failures[part] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         warnings.warn(f"gemcore: the Gluon (Hopper) attention {part} failed to build here and is off "
@@ -211,7 +211,7 @@ def _fwd(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, n
     if forward_kernel(q, k, v, offsets, kv_offsets, num_targets, causal, window_left, window_right,
                       activation) == "gluon-hopper":
         result = _run_hopper("forward", q, k, v, q_off, activation, causal, scale, inv_norm, max_seqlen,
-                             None if num_targets is None else nt)
+                             None if num_targets is None else nt, kv_offsets=None if kv_offsets is None else kv_off)
         if result is not None:
             return result
     rows = B * nq_pooled if offsets is None else q.shape[0]

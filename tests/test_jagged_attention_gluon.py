@@ -37,7 +37,7 @@ def _rel_err(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def test_scope_names_what_it_does_not_take():
+def test_scope_names_what_it_does_not_take(monkeypatch):
     q, k, v, offsets = _inputs([3, 5], 2, 128, torch.bfloat16, device="cpu")
     targets = torch.tensor([1, 1])
 
@@ -46,7 +46,13 @@ def test_scope_names_what_it_does_not_take():
         return gluon_attention.unsupported_reason(q, k, v, offsets, kv_offsets, num_targets, causal, *window)
 
     assert reason() is None and reason(causal=False) is None and reason(num_targets=targets) is None
-    assert reason(kv_offsets=offsets) == reason(offsets=None, kv_offsets=offsets) == "cross or pooled attention"
+    assert reason(offsets=None, kv_offsets=offsets) == "pooled attention"
+    assert reason(kv_offsets=offsets, causal=False) == "cross attention (CROSS_ATTENTION is off)"
+    monkeypatch.setattr(gluon_attention, "CROSS_ATTENTION", True)
+    assert reason(kv_offsets=offsets, causal=False) is None
+    assert reason(kv_offsets=offsets) == "causal cross attention"
+    assert reason(k=k[:0], v=v[:0], kv_offsets=torch.zeros(3, dtype=torch.long), causal=False) == "no keys"
+    monkeypatch.setattr(gluon_attention, "CROSS_ATTENTION", False)
     assert reason(window=(16, -1)) == reason(window=(-1, 0)) == "a window"
     assert reason(num_targets=targets, causal=False) == "targets without causal"
     assert "dtype" in reason(q.float(), k.float(), v.float())
@@ -87,10 +93,11 @@ def test_a_part_that_fails_to_build_turns_itself_off_with_a_warning(monkeypatch)
     assert jt.backward_kernel(on_gpu, None, None, None) == "triton"
 
 
-@pytest.mark.parametrize("activation,causal,dtype,head_dim,persistent", [
-    ("softmax", True, torch.bfloat16, 128, True), ("gelu", False, torch.float16, 64, True),
-    ("silu", True, torch.bfloat16, 128, False)])
-def test_compiles_for_sm90_with_the_installed_triton(activation, causal, dtype, head_dim, persistent):
+@pytest.mark.parametrize("activation,causal,dtype,head_dim,persistent,cross", [
+    ("softmax", True, torch.bfloat16, 128, True, False), ("gelu", False, torch.float16, 64, True, False),
+    ("silu", True, torch.bfloat16, 128, False, False), ("softmax", False, torch.bfloat16, 128, True, True),
+    ("gelu_tanh", False, torch.bfloat16, 128, True, True)])
+def test_compiles_for_sm90_with_the_installed_triton(activation, causal, dtype, head_dim, persistent, cross):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -100,10 +107,11 @@ def test_compiles_for_sm90_with_the_installed_triton(activation, causal, dtype, 
     descs = gluon_attention._descriptors(x, x, x, block_n)
     signature = {"q_desc": mangle_type(descs[0]), "k_desc": mangle_type(descs[1]),
                  "v_desc": mangle_type(descs[2]), "O": "*bf16" if dtype == torch.bfloat16 else "*fp16",
-                 "LSE2": "*fp32", "offsets": "*i64", "num_targets": "*i64", "stride_t": "i32", "H": "i32",
+                 "LSE2": "*fp32", "offsets": "*i64", "kv_offsets": "*i64", "num_targets": "*i64",
+                 "stride_t": "i32", "H": "i32",
                  "n_bh": "i32", "n_m_tiles": "i32", "qk_scale": "fp32", "inv_norm": "fp32", "STAGES": "constexpr", "ACTIVATION": "constexpr",
-                 "CAUSAL": "constexpr", "HAS_TARGETS": "constexpr", "PERSISTENT": "constexpr"}
-    constexprs = {"STAGES": stages, "CAUSAL": causal, "HAS_TARGETS": causal, "PERSISTENT": persistent,
+                 "CAUSAL": "constexpr", "HAS_TARGETS": "constexpr", "CROSS": "constexpr", "PERSISTENT": "constexpr"}
+    constexprs = {"STAGES": stages, "CAUSAL": causal, "HAS_TARGETS": causal, "CROSS": cross, "PERSISTENT": persistent,
                   "ACTIVATION": gluon_attention.ACTIVATION_CODES[activation]}
     src = GluonASTSource(gluon_attention._jagged_attn_fwd_hopper, signature, constexprs=constexprs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -217,3 +225,57 @@ def test_hypothesis_lengths(lengths, activation, causal, targets, seed):
     want = jagged_attention_reference(q.double(), k.double(), v.double(), offsets, causal=causal,
                                       activation=activation, num_targets=num_targets)
     assert _rel_err(out, want) < 1e-2, _rel_err(out, want)
+
+
+def _cross_inputs(q_lengths, kv_lengths, H, D, dtype, seed=3):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q_off, kv_off = (torch.nn.functional.pad(torch.tensor(n, device="cuda").cumsum(0), (1, 0))
+                     for n in (q_lengths, kv_lengths))
+    q = torch.randn(sum(q_lengths), H, D, generator=g, device="cuda").to(dtype)
+    k, v = (torch.randn(sum(kv_lengths), H, D, generator=g, device="cuda").to(dtype) for _ in range(2))
+    return q, k, v, q_off, kv_off
+
+
+@needs_hopper
+@pytest.mark.parametrize("activation", ["softmax", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 128), (torch.float16, 64)])
+def test_cross_attention_matches_the_float64_reference(activation, dtype, head_dim, monkeypatch):
+    """q sequence b against kv sequence b (CROSS_ATTENTION, off by default until this has run on
+    a GPU): empty q and empty kv sequences, kv lengths on the key-tile borders."""
+    monkeypatch.setattr(gluon_attention, "CROSS_ATTENTION", True)
+    q_lengths = [0, 1, 129, 300, 64, 700, 5, 128]
+    kv_lengths = [3, 0, 256, 1, 300, 0, 64, 65]
+    q, k, v, q_off, kv_off = _cross_inputs(q_lengths, kv_lengths, 4, head_dim, dtype)
+    assert gluon_attention.unsupported_reason(q, k, v, q_off, kv_off, None, False, -1, -1) is None
+    max_len = max(q_lengths + kv_lengths)
+    out, lse2 = gluon_attention.jagged_attention_fwd_hopper(
+        q, k, v, q_off, activation, False, head_dim ** -0.5, 1.0 / max_len, max_len, kv_offsets=kv_off)
+    want = jagged_attention_reference(q.double(), k.double(), v.double(), q_off, kv_offsets=kv_off,
+                                      activation=activation, norm=None if activation == "softmax" else max_len)
+    assert _rel_err(out, want) < 1e-2, _rel_err(out, want)
+    no_keys = torch.cat([torch.full((n,), m == 0, device="cuda") for n, m in zip(q_lengths, kv_lengths)])
+    assert out[no_keys].abs().max() == 0                     # rows without keys: zeros
+    if activation == "softmax":
+        assert torch.isinf(lse2[no_keys]).all() and (lse2[no_keys] > 0).all()   # as the Triton forward
+        assert torch.isfinite(lse2[~no_keys]).all()
+
+
+@needs_hopper
+def test_cross_attention_through_the_backend_with_the_triton_backward(monkeypatch):
+    monkeypatch.setattr(gluon_attention, "CROSS_ATTENTION", True)
+    calls = []
+    real = gluon_attention.jagged_attention_fwd_hopper
+    monkeypatch.setattr(gluon_attention, "jagged_attention_fwd_hopper",
+                        lambda *a, **kw: calls.append(kw.get("kv_offsets")) or real(*a, **kw))
+    q_lengths, kv_lengths = [900, 600, 0, 1000, 257], [256, 0, 256, 256, 3]   # mean 551: above MIN_MEAN_LEN
+    q, k, v, q_off, kv_off = _cross_inputs(q_lengths, kv_lengths, 4, 128, torch.bfloat16)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    got = jagged_attention(q, k, v, q_off, kv_offsets=kv_off, activation="gelu_tanh", backend="triton")
+    assert calls and calls[0] is not None, "the Triton backend did not give cross attention to the Gluon forward"
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    want = jagged_attention_reference(q64, k64, v64, q_off, kv_offsets=kv_off, activation="gelu_tanh")
+    assert _rel_err(got, want) < 1e-2
+    grad = torch.randn_like(want)
+    for name, a, b in zip("qkv", torch.autograd.grad(got, (q, k, v), grad.to(got.dtype)),
+                          torch.autograd.grad(want, (q64, k64, v64), grad)):
+        assert _rel_err(a, b) < 2e-2, ("d" + name, _rel_err(a, b))
