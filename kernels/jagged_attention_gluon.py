@@ -52,9 +52,10 @@ MAXNREG = 168
 MIN_MEAN_LEN = {"softmax": 256, "pointwise": 512}
 HEAD_DIMS = (64, 128)
 #: cross attention (q sequence b against kv sequence b, not causal) through this forward. Written
-#: and compiled for sm_90 in session 18, not yet run on a GPU: off until its GPU tests
-#: (tests/test_jagged_attention_gluon.py, cross) have passed; the Triton forward takes it meanwhile
-CROSS_ATTENTION = False
+#: and compiled for sm_90 in session 18, not yet run on a GPU: off unless GEMCORE_GLUON_CROSS=1
+#: (for its first GPU tests and benchmarks) until tests/test_jagged_attention_gluon.py's cross
+#: tests have passed; the Triton forward takes cross attention meanwhile
+CROSS_ATTENTION = os.environ.get("GEMCORE_GLUON_CROSS", "0") == "1"
 _DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
