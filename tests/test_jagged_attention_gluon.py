@@ -47,6 +47,7 @@ def test_scope_names_what_it_does_not_take(monkeypatch):
 
     assert reason() is None and reason(causal=False) is None and reason(num_targets=targets) is None
     assert reason(offsets=None, kv_offsets=offsets) == "pooled attention"
+    monkeypatch.setattr(gluon_attention, "CROSS_ATTENTION", False)      # whatever GEMCORE_GLUON_CROSS says
     assert reason(kv_offsets=offsets, causal=False) == "cross attention (CROSS_ATTENTION is off)"
     monkeypatch.setattr(gluon_attention, "CROSS_ATTENTION", True)
     assert reason(kv_offsets=offsets, causal=False) is None
