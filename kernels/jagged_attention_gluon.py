@@ -305,26 +305,17 @@ def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready,
     for w in range(gl.program_id(0), n_bh * n_m_tiles, gl.num_programs(0)):
         h, m0, start, seq_len, kv_start, kv_len, history, n_full, n_tiles = _work_item(
             w, offsets, kv_offsets, num_targets, H, n_bh, n_m_tiles, CAUSAL, HAS_TARGETS, CROSS, BLOCK_N)
-        # (written out per case, so that self-attention, where every row sees a key, compiles to
-        # the code without the cross branch)
-        if CROSS:
-            if m0 < seq_len:
-                if n_tiles == 0:                   # an empty kv sequence
-                    _store_no_keys(wg, O, LSE2, start, seq_len, m0, h, H, stride_t, ACTIVATION,
-                                   k_ring.type.shape[2])
-                else:
-                    _attend(wg, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, O, LSE2,
-                            start, seq_len, kv_len, history, m0, h, H, stride_t, qk_scale, inv_norm, n_full,
-                            n_tiles, base, item, ACTIVATION, CAUSAL, HAS_TARGETS)
-                    base += n_tiles
-                    item += 1
-        else:
-            if m0 < seq_len:
-                _attend(wg, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, O, LSE2, start,
-                        seq_len, kv_len, history, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles, base,
-                        item, ACTIVATION, CAUSAL, HAS_TARGETS)
-                base += n_tiles
-                item += 1
+        has_work = m0 < seq_len
+        if CROSS:                                  # (self-attention: every row sees a key)
+            if has_work & (n_tiles == 0):          # an empty kv sequence
+                _store_no_keys(wg, O, LSE2, start, seq_len, m0, h, H, stride_t, ACTIVATION, k_ring.type.shape[2])
+            has_work = has_work & (n_tiles > 0)
+        if has_work:
+            _attend(wg, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, O, LSE2, start,
+                    seq_len, kv_len, history, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles, base,
+                    item, ACTIVATION, CAUSAL, HAS_TARGETS)
+            base += n_tiles
+            item += 1
 
 
 @gluon.jit

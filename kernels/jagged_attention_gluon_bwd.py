@@ -29,10 +29,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from gemcore.kernels.jagged_attention_gluon import (_CONSUMER_REGS, _PRODUCER_REGS, MAXNREG, _allowed, _key_tiles,
+from gemcore.kernels.jagged_attention_gluon import (_BLOCK_M, _CONSUMER_REGS, _PRODUCER_REGS, MAXNREG, _allowed,
                                                     _ring_barriers, _sequence, _split, _stream_tiles, _tanh_fast,
-                                                    _tma_load, descriptor, on_hopper, packed_rows, sm_count,
-                                                    unsupported_reason)
+                                                    _tma_load, _work_item, descriptor, on_hopper, packed_rows,
+                                                    sm_count, unsupported_reason)
 from gemcore.kernels.jagged_attention_triton_common import ACTIVATION_CODES
 
 #: (rows per CTA, rows per ring slot, ring slots) of the two kernels. dQ: 128 query rows, 64-row
@@ -178,18 +178,6 @@ def _dq_item(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_fre
 
 
 @gluon.jit
-def _dq_item_bounds(w, offsets, num_targets, H, n_bh, n_levels, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                    HAS_TARGETS: gl.constexpr):
-    """dQ's work item w, heaviest first -> (h, m0, start, seq_len, history, n_full, n_tiles):
-    query rows [m0, m0 + 128) of head h, empty when m0 >= seq_len."""
-    level, b, h = _split(w, H, n_bh)
-    m0 = (n_levels - 1 - level) * 128
-    start, seq_len, history = _sequence(offsets, num_targets, b, HAS_TARGETS)
-    n_full, n_tiles = _key_tiles(m0, seq_len, history, 128, BLOCK_N, CAUSAL)
-    return h, m0, start, seq_len, history, n_full, n_tiles
-
-
-@gluon.jit
 def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty,
                  DQ, O, LSE2, DELTA, offsets, num_targets, H, n_bh, n_levels, stride_t, stride_o, scale,
                  qk_scale, inv_norm, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
@@ -197,8 +185,8 @@ def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo
     base = 0
     item = 0
     for w in range(gl.program_id(0), n_bh * n_levels, gl.num_programs(0)):
-        h, m0, start, seq_len, history, n_full, n_tiles = _dq_item_bounds(
-            w, offsets, num_targets, H, n_bh, n_levels, k_ring.type.shape[1], CAUSAL, HAS_TARGETS)
+        h, m0, start, seq_len, _, _, history, n_full, n_tiles = _work_item(
+            w, offsets, offsets, num_targets, H, n_bh, n_levels, CAUSAL, HAS_TARGETS, False, k_ring.type.shape[1])
         if m0 < seq_len:
             _dq_item(wg, q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty, DQ, O,
                      LSE2, DELTA, start, seq_len, history, m0, h, H, stride_t, stride_o, scale, qk_scale,
@@ -228,8 +216,8 @@ def _dq_producer(q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_
     base = 0
     item = 0
     for w in range(gl.program_id(0), n_bh * n_levels, gl.num_programs(0)):
-        h, m0, start, seq_len, history, n_full, n_tiles = _dq_item_bounds(
-            w, offsets, num_targets, H, n_bh, n_levels, k_ring.type.shape[1], CAUSAL, HAS_TARGETS)
+        h, m0, start, seq_len, _, _, history, n_full, n_tiles = _work_item(
+            w, offsets, offsets, num_targets, H, n_bh, n_levels, CAUSAL, HAS_TARGETS, False, k_ring.type.shape[1])
         if m0 < seq_len:
             col = h * k_ring.type.shape[2]
             mbarrier.wait(qdo_free, (item & 1) ^ 1)      # fresh barrier: passes
@@ -244,15 +232,15 @@ def _jagged_attn_bwd_dq_hopper(q_desc, do_desc, k_desc, v_desc, DQ, O, LSE2, DEL
                                stride_t, stride_o, H, n_bh, n_levels, scale, qk_scale, inv_norm,
                                STAGES: gl.constexpr, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
                                HAS_TARGETS: gl.constexpr, PERSISTENT: gl.constexpr):
-    """Over n_bh·n_levels work items (n_bh = B·H; :func:`_dq_item_bounds`), persistent or one
+    """Over n_bh·n_levels work items (n_bh = B·H; the forward's :func:`_work_item`), persistent or one
     CTA per item (an empty item's returns at once), as the forward. Descriptors over (T, H·D)
     row views: q / dO in (64, D) blocks, k / v in (BLOCK_N, D). DQ (T, H, D) with row stride
     stride_t; O (T, H, D) with row stride stride_o (softmax only); LSE2, DELTA (T, H) float32."""
     if PERSISTENT:
         active = True
     else:
-        _, m0, _, seq_len, _, _, _ = _dq_item_bounds(gl.program_id(0), offsets, num_targets, H, n_bh, n_levels,
-                                                      k_desc.block_type.shape[0], CAUSAL, HAS_TARGETS)
+        _, m0, _, seq_len, _, _, _, _, _ = _work_item(gl.program_id(0), offsets, offsets, num_targets, H, n_bh,
+                                                      n_levels, CAUSAL, HAS_TARGETS, False, k_desc.block_type.shape[0])
         active = m0 < seq_len
     if active:
         _dq_partitions(q_desc, do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, offsets, num_targets, stride_t, stride_o,
@@ -381,7 +369,7 @@ def _dkdv_item_bounds(w, offsets, num_targets, H, n_bh, BLOCK_M: gl.constexpr, C
     seq_len, history, i0, n_iters): key rows [n0, n0 + 128) of head h against query tiles i0 ..
     i0 + n_iters - 1 (BLOCK_M rows each), empty when n0 >= seq_len."""
     level, b, h = _split(w, H, n_bh)
-    n0 = level * 128
+    n0 = level * _BLOCK_M
     start, seq_len, history = _sequence(offsets, num_targets, b, HAS_TARGETS)
     i0 = 0
     i_end = gl.cdiv(seq_len, BLOCK_M)
@@ -389,7 +377,7 @@ def _dkdv_item_bounds(w, offsets, num_targets, H, n_bh, BLOCK_M: gl.constexpr, C
         i0 = n0 // BLOCK_M                         # queries from the key tile's first row on
         if HAS_TARGETS:
             if n0 >= history:                      # candidates' keys: each seen by its own row only
-                i_end = gl.cdiv(gl.minimum(n0 + 128, seq_len), BLOCK_M)
+                i_end = gl.cdiv(gl.minimum(n0 + _BLOCK_M, seq_len), BLOCK_M)
     return h, n0, start, seq_len, history, i0, i_end - i0
 
 
