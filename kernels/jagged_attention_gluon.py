@@ -51,11 +51,6 @@ MAXNREG = 168
 #: both gain. The thresholds between and below those points are not measured.
 MIN_MEAN_LEN = {"softmax": 256, "pointwise": 512}
 HEAD_DIMS = (64, 128)
-#: cross attention (q sequence b against kv sequence b, not causal) through this forward. Written
-#: and compiled for sm_90 in session 18, not yet run on a GPU: off unless GEMCORE_GLUON_CROSS=1
-#: (for its first GPU tests and benchmarks) until tests/test_jagged_attention_gluon.py's cross
-#: tests have passed; the Triton forward takes cross attention meanwhile
-CROSS_ATTENTION = os.environ.get("GEMCORE_GLUON_CROSS", "0") == "1"
 _DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -415,8 +410,6 @@ def unsupported_reason(q, k, v, offsets, kv_offsets, num_targets, causal: bool, 
     if offsets is None:
         return "pooled attention"
     if kv_offsets is not None:
-        if not CROSS_ATTENTION:
-            return "cross attention (CROSS_ATTENTION is off)"
         if causal:
             return "causal cross attention"
         if k.shape[0] == 0:

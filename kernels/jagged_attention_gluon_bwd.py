@@ -39,11 +39,6 @@ from gemcore.kernels.jagged_attention_triton_common import ACTIVATION_CODES
 #: K/V tiles, 3 slots; dK/dV: 128 key rows, 64-row Q/dO tiles, 2 slots (3 timed the same on the H200)
 DQ_TILE = (128, 64, 3)
 DKDV_TILE = (128, 64, 2)
-#: dK/dV (softmax) converts LSE and delta to the scores' layout where each is used, not at the top
-#: of the query tile: ptxas then reports 20 B of spills instead of 180 (Triton 3.6; 0 instead of
-#: 184 with 3.9). Written at the end of session 18 and not yet run on a GPU, so off unless
-#: GEMCORE_GLUON_LATE_LSE=1 (read at import) until the backward's GPU tests pass with it
-_DKDV_LATE_LSE = gl.constexpr(os.environ.get("GEMCORE_GLUON_LATE_LSE", "0") == "1")
 #: the Triton backward is kept for mean lengths below this (the Gluon one measured faster at mean
 #: 494 and 1945, both kinds; shorter ones are not measured)
 MIN_MEAN_LEN = 256
@@ -305,14 +300,10 @@ def _dkdv_item(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_bar, kv_fre
             flat: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
             q_flat = m0 + gl.arange(0, BLOCK_M, layout=flat)
             at = (start + q_flat) * H + h
-            if _DKDV_LATE_LSE:                      # converted where used, below
-                lse = gl.load(LSE2 + at, mask=q_flat < seq_len, other=float("inf"))
-                delta = gl.load(DELTA + at, mask=q_flat < seq_len, other=0.0)
-            else:
-                lse = gl.convert_layout(gl.load(LSE2 + at, mask=q_flat < seq_len, other=float("inf")),
-                                        gl.SliceLayout(0, st_layout))
-                delta = gl.convert_layout(gl.load(DELTA + at, mask=q_flat < seq_len, other=0.0),
-                                          gl.SliceLayout(0, st_layout))
+            # converted to the scores' layout only where each is used: converted here, both stay
+            # live across the wgmma waits (ptxas: 180 B of spills against 20, Triton 3.6)
+            lse = gl.load(LSE2 + at, mask=q_flat < seq_len, other=float("inf"))
+            delta = gl.load(DELTA + at, mask=q_flat < seq_len, other=0.0)
         mbarrier.wait(q_ready.index(stage), phase)
         st_tok = warpgroup_mma(k_w, q_ring.index(stage).permute((1, 0)),
                                gl.zeros([WG_N, BLOCK_M], gl.float32, st_layout), use_acc=False, is_async=True)
@@ -328,8 +319,7 @@ def _dkdv_item(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_bar, kv_fre
                 masked = masked | (m0 + BLOCK_M > history)
         allowed = _allowed(queries[None, :], keys[:, None], seq_len, history, CAUSAL, HAS_TARGETS) & q_ok[None, :]
         if ACTIVATION == 0:
-            if _DKDV_LATE_LSE:
-                lse = gl.convert_layout(lse, gl.SliceLayout(0, st_layout))
+            lse = gl.convert_layout(lse, gl.SliceLayout(0, st_layout))
             pt = gl.exp2(st * qk_scale - lse[None, :])
             if masked:
                 pt = gl.where(allowed, pt, 0.0)
@@ -344,8 +334,7 @@ def _dkdv_item(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_bar, kv_fre
                                is_async=True)
         dpt = warpgroup_mma_wait(1, deps=[dpt_tok])
         if ACTIVATION == 0:
-            if _DKDV_LATE_LSE:
-                delta = gl.convert_layout(delta, gl.SliceLayout(0, st_layout))
+            delta = gl.convert_layout(delta, gl.SliceLayout(0, st_layout))
             dst = pt * (dpt - delta[None, :])
         else:
             dst = dpt * gt

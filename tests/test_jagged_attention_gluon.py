@@ -37,7 +37,7 @@ def _rel_err(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def test_scope_names_what_it_does_not_take(monkeypatch):
+def test_scope_names_what_it_does_not_take():
     q, k, v, offsets = _inputs([3, 5], 2, 128, torch.bfloat16, device="cpu")
     targets = torch.tensor([1, 1])
 
@@ -47,13 +47,9 @@ def test_scope_names_what_it_does_not_take(monkeypatch):
 
     assert reason() is None and reason(causal=False) is None and reason(num_targets=targets) is None
     assert reason(offsets=None, kv_offsets=offsets) == "pooled attention"
-    monkeypatch.setattr(gluon_attention, "CROSS_ATTENTION", False)      # whatever GEMCORE_GLUON_CROSS says
-    assert reason(kv_offsets=offsets, causal=False) == "cross attention (CROSS_ATTENTION is off)"
-    monkeypatch.setattr(gluon_attention, "CROSS_ATTENTION", True)
     assert reason(kv_offsets=offsets, causal=False) is None
     assert reason(kv_offsets=offsets) == "causal cross attention"
     assert reason(k=k[:0], v=v[:0], kv_offsets=torch.zeros(3, dtype=torch.long), causal=False) == "no keys"
-    monkeypatch.setattr(gluon_attention, "CROSS_ATTENTION", False)
     assert reason(window=(16, -1)) == reason(window=(-1, 0)) == "a window"
     assert reason(num_targets=targets, causal=False) == "targets without causal"
     assert "dtype" in reason(q.float(), k.float(), v.float())
@@ -240,10 +236,9 @@ def _cross_inputs(q_lengths, kv_lengths, H, D, dtype, seed=3):
 @needs_hopper
 @pytest.mark.parametrize("activation", ["softmax", "gelu_tanh", "silu"])
 @pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 128), (torch.float16, 64)])
-def test_cross_attention_matches_the_float64_reference(activation, dtype, head_dim, monkeypatch):
-    """q sequence b against kv sequence b (CROSS_ATTENTION, off by default until this has run on
-    a GPU): empty q and empty kv sequences, kv lengths on the key-tile borders."""
-    monkeypatch.setattr(gluon_attention, "CROSS_ATTENTION", True)
+def test_cross_attention_matches_the_float64_reference(activation, dtype, head_dim):
+    """q sequence b against kv sequence b: empty q and empty kv sequences, kv lengths on the
+    key-tile borders."""
     q_lengths = [0, 1, 129, 300, 64, 700, 5, 128]
     kv_lengths = [3, 0, 256, 1, 300, 0, 64, 65]
     q, k, v, q_off, kv_off = _cross_inputs(q_lengths, kv_lengths, 4, head_dim, dtype)
@@ -263,7 +258,6 @@ def test_cross_attention_matches_the_float64_reference(activation, dtype, head_d
 
 @needs_hopper
 def test_cross_attention_through_the_backend_with_the_triton_backward(monkeypatch):
-    monkeypatch.setattr(gluon_attention, "CROSS_ATTENTION", True)
     calls = []
     real = gluon_attention.jagged_attention_fwd_hopper
     monkeypatch.setattr(gluon_attention, "jagged_attention_fwd_hopper",

@@ -7,10 +7,6 @@ and through the Triton backend, against the Triton backward.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -173,11 +169,3 @@ def test_the_triton_backend_runs_it_and_agrees_with_the_triton_backward(activati
         assert _rel_err(a, b) < 1e-2, (name, _rel_err(a, b))
     assert len(calls) == 1
 
-
-def test_the_late_lse_variant_compiles_for_sm90():
-    """GEMCORE_GLUON_LATE_LSE=1 (read at import, off by default until it has run on a GPU): the
-    compile test above in a fresh process with it on."""
-    env = dict(os.environ, GEMCORE_GLUON_LATE_LSE="1")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "test_compiles_for_sm90"], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
