@@ -47,9 +47,9 @@ _CONSUMER_REGS, _PRODUCER_REGS = gl.constexpr(240), gl.constexpr(24)
 #: the SM's 64 Ki registers; the default partition gets what the workers leave
 MAXNREG = 168
 #: the Triton forward is kept for short histories: mean length below these, per activation kind.
-#: Measured on the H200 at mean 494 (heavytail): softmax +5 % here, silu -8 %; at mean 1945 (dense95)
-#: both gain. The thresholds between and below those points are not measured.
-MIN_MEAN_LEN = {"softmax": 256, "pointwise": 512}
+#: Measured on the H200 at mean 494 (heavytail) and 1945 (dense95): both kinds gain at both (silu
+#: at 494 since session 19's first-warpgroup trim: +3 %; it lost 8 % before). Below 494 not measured.
+MIN_MEAN_LEN = {"softmax": 256, "pointwise": 256}
 HEAD_DIMS = (64, 128)
 _DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -231,7 +231,9 @@ def _attend(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v
             ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
     """One warpgroup, one work item: query rows [m0 + 64·wg, +64) (of seq_len) against key tiles
     0..n_tiles-1 (of kv_len keys), which sit in ring slots from ``base`` on (``item``: the CTA's
-    items before)."""
+    items before). Causal, the first warpgroup's rows end 64 rows before the diagonal tile does,
+    so it takes only the keys it can see: with 64-key tiles it skips the last tile, with 128-key
+    tiles it takes the last tile's first half alone (``HALF``)."""
     WG_M: gl.constexpr = _BLOCK_M // 2
     STAGES: gl.constexpr = k_ring.type.shape[0]
     BLOCK_N: gl.constexpr = k_ring.type.shape[1]
@@ -241,42 +243,76 @@ def _attend(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    TRIM: gl.constexpr = CAUSAL and wg == 0
+    HALF: gl.constexpr = TRIM and BLOCK_N == 2 * WG_M
     q_w = q_smem.index(wg)
     rows = m0 + wg * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
+    n_main = n_tiles                               # whole key tiles taken
+    if TRIM:
+        if HALF:
+            n_main = n_tiles - 1
+        else:
+            n_main = gl.minimum(n_tiles, gl.cdiv(m0 + WG_M, BLOCK_N))
+    last = base + n_tiles - 1
 
-    mbarrier.wait(q_bar, item & 1)
-    mbarrier.wait(k_ready.index(base % STAGES), (base // STAGES) & 1)
-    s = warpgroup_mma(q_w, k_ring.index(base % STAGES).permute((1, 0)),
-                      gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout), use_acc=False)
     m_i = gl.full([WG_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([WG_M], gl.float32, gl.SliceLayout(1, s_layout))
-    p, m_i, l_i, alpha = _activate(s, 0, rows, kv_len, history, m_i, l_i, n_full, qk_scale, ACTIVATION,
-                                   CAUSAL, HAS_TARGETS, BLOCK_N, s_layout)
     acc = gl.zeros([WG_M, D], gl.float32, o_layout)
-    for j in range(n_tiles - 1):
-        nxt = base + j + 1
-        mbarrier.wait(k_ready.index(nxt % STAGES), (nxt // STAGES) & 1)
-        # (the zeros made here, not hoisted: a loop-carried zero tile would hold BLOCK_N / 2
-        # registers per thread for nothing)
-        s_tok = warpgroup_mma(q_w, k_ring.index(nxt % STAGES).permute((1, 0)),
-                              gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-        stage = (base + j) % STAGES
-        mbarrier.wait(v_ready.index(stage), ((base + j) // STAGES) & 1)
-        o_tok = warpgroup_mma(gl.convert_layout(p.to(k_ring.dtype), p_layout), v_ring.index(stage), acc,
-                              is_async=True)
-        s = warpgroup_mma_wait(1, deps=[s_tok])    # Q·K_{j+1}ᵀ is done; P_j·V_j may still run ...
-        # ... under tile j+1's activation
-        p, m_i, l_i, alpha = _activate(s, j + 1, rows, kv_len, history, m_i, l_i, n_full, qk_scale,
-                                       ACTIVATION, CAUSAL, HAS_TARGETS, BLOCK_N, s_layout)
-        acc = warpgroup_mma_wait(0, deps=[o_tok])
-        mbarrier.arrive(kv_empty.index(stage), count=1)
+    mbarrier.wait(q_bar, item & 1)
+    if n_main > 0:
+        mbarrier.wait(k_ready.index(base % STAGES), (base // STAGES) & 1)
+        s = warpgroup_mma(q_w, k_ring.index(base % STAGES).permute((1, 0)),
+                          gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout), use_acc=False)
+        p, m_i, l_i, alpha = _activate(s, 0, rows, kv_len, history, m_i, l_i, n_full, qk_scale, ACTIVATION,
+                                       CAUSAL, HAS_TARGETS, BLOCK_N, s_layout)
+        for j in range(n_main - 1):
+            nxt = base + j + 1
+            mbarrier.wait(k_ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+            # (the zeros made here, not hoisted: a loop-carried zero tile would hold BLOCK_N / 2
+            # registers per thread for nothing)
+            s_tok = warpgroup_mma(q_w, k_ring.index(nxt % STAGES).permute((1, 0)),
+                                  gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+            stage = (base + j) % STAGES
+            mbarrier.wait(v_ready.index(stage), ((base + j) // STAGES) & 1)
+            o_tok = warpgroup_mma(gl.convert_layout(p.to(k_ring.dtype), p_layout), v_ring.index(stage), acc,
+                                  is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s_tok])    # Q·K_{j+1}ᵀ is done; P_j·V_j may still run ...
+            # ... under tile j+1's activation
+            p, m_i, l_i, alpha = _activate(s, j + 1, rows, kv_len, history, m_i, l_i, n_full, qk_scale,
+                                           ACTIVATION, CAUSAL, HAS_TARGETS, BLOCK_N, s_layout)
+            acc = warpgroup_mma_wait(0, deps=[o_tok])
+            mbarrier.arrive(kv_empty.index(stage), count=1)
+            if ACTIVATION == 0:
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        if not HALF:
+            mbarrier.arrive(q_empty, count=1)     # every Q·Kᵀ is done: the producer may load the next Q
+        tail = base + n_main - 1
+        mbarrier.wait(v_ready.index(tail % STAGES), (tail // STAGES) & 1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(k_ring.dtype), p_layout), v_ring.index(tail % STAGES), acc)
+        mbarrier.arrive(kv_empty.index(tail % STAGES), count=1)
+    if HALF:                                       # the diagonal tile's first 64 keys
+        h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, WG_M, 16])
+        h_rows: gl.constexpr = gl.SliceLayout(1, h_layout)
+        mbarrier.wait(k_ready.index(last % STAGES), (last // STAGES) & 1)
+        s = warpgroup_mma(q_w, k_ring.index(last % STAGES).slice(0, WG_M).permute((1, 0)),
+                          gl.zeros([WG_M, WG_M], gl.float32, h_layout), use_acc=False)
+        mbarrier.arrive(q_empty, count=1)
+        p, m_h, l_h, alpha = _activate(s, 2 * (n_tiles - 1), m0 + gl.arange(0, WG_M, layout=h_rows), kv_len,
+                                       history, gl.convert_layout(m_i, h_rows), gl.convert_layout(l_i, h_rows),
+                                       2 * n_full, qk_scale, ACTIVATION, CAUSAL, HAS_TARGETS, WG_M, h_layout)
+        m_i = gl.convert_layout(m_h, gl.SliceLayout(1, s_layout))
+        l_i = gl.convert_layout(l_h, gl.SliceLayout(1, s_layout))
         if ACTIVATION == 0:
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    mbarrier.arrive(q_empty, count=1)             # every Q·Kᵀ is done: the producer may load the next Q
-    last = base + n_tiles - 1
-    mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-    acc = warpgroup_mma(gl.convert_layout(p.to(k_ring.dtype), p_layout), v_ring.index(last % STAGES), acc)
-    mbarrier.arrive(kv_empty.index(last % STAGES), count=1)
+        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(k_ring.dtype), p_layout),
+                            v_ring.index(last % STAGES).slice(0, WG_M), acc)
+        mbarrier.arrive(kv_empty.index(last % STAGES), count=1)
+    elif TRIM:
+        if n_main < n_tiles:                       # the skipped tile: released once it has landed
+            mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+            mbarrier.arrive(kv_empty.index(last % STAGES), count=1)
 
     o_rows = m0 + wg * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, o_layout))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))

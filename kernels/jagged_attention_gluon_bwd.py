@@ -102,6 +102,15 @@ def _buffers(a_desc, b_desc, c_desc, d_desc, STAGES: gl.constexpr):
     return a_smem, b_smem, c_ring, d_ring, resident_ready, resident_free, c_ready, d_ready, empty
 
 
+@gluon.jit
+def _release_unread(ready, empty, tile):
+    """A consumer's release of a ring tile it does not read: once the tile has landed (so the
+    slot's previous tile was released by both consumers), arrive on its empty barrier."""
+    STAGES: gl.constexpr = empty.type.shape[0]
+    mbarrier.wait(ready.index(tile % STAGES), (tile // STAGES) & 1)
+    mbarrier.arrive(empty.index(tile % STAGES), count=1)
+
+
 # --------------------------------------------------------------------------- dQ
 @gluon.jit
 def _dq_item(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty,
@@ -136,7 +145,10 @@ def _dq_item(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_fre
     q_w = q_smem.index(wg)
     do_w = do_smem.index(wg)
     dq = gl.zeros([WG_M, D], gl.float32, acc_layout)
-    for j in range(n_tiles):
+    n_mine = n_tiles
+    if CAUSAL and wg == 0:                        # its rows end before the diagonal's second key tile
+        n_mine = gl.minimum(n_tiles, gl.cdiv(m0 + WG_M, BLOCK_N))
+    for j in range(n_mine):
         stage = (base + j) % STAGES
         phase = ((base + j) // STAGES) & 1
         mbarrier.wait(k_ready.index(stage), phase)
@@ -165,6 +177,8 @@ def _dq_item(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_fre
                                is_async=True)
         dq = warpgroup_mma_wait(0, deps=[dq_tok])
         mbarrier.arrive(empty.index(stage), count=1)
+    if n_mine < n_tiles:                           # the skipped tile: released once it has landed
+        _release_unread(v_ready, empty, base + n_tiles - 1)
     mbarrier.arrive(qdo_free, count=1)            # Q and dO are read: the producer may load the next
     o_rows = m0 + wg * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
@@ -288,7 +302,12 @@ def _dkdv_item(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_bar, kv_fre
     dk = gl.zeros([WG_N, D], gl.float32, acc_layout)
     dv = gl.zeros([WG_N, D], gl.float32, acc_layout)
     mbarrier.wait(kv_bar, item & 1)
-    for it in range(n_iters):
+    first = 0
+    if CAUSAL and wg == 1 and BLOCK_M == WG_N:    # its keys come after the first query tile's rows
+        if n_iters > 0:
+            _release_unread(do_ready, empty, base)
+            first = 1
+    for it in range(first, n_iters):
         m0 = (i0 + it) * BLOCK_M
         stage = (base + it) % STAGES
         phase = ((base + it) // STAGES) & 1
