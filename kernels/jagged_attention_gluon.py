@@ -32,6 +32,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from gemcore.kernels.jagged_attention_triton_common import ACTIVATION_CODES
+from gemcore.kernels.jagged_work_list import work_list
 
 # Triton 3.6 names the TMA load async_copy_global_to_shared; later versions async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -186,21 +187,33 @@ def _activate(s, j, rows, seq_len, history, m_i, l_i, n_full, qk_scale, ACTIVATI
 
 
 @gluon.jit
-def _split(w, H, n_bh):
-    """Work item w -> (level, b, h): items run level by level (n_bh = B·H items each), within a
-    level sequence by sequence, heads innermost."""
-    return w // n_bh, (w % n_bh) // H, w % H
+def _dealt(r):
+    """This CTA's work index in dealing round r: a snake over the P CTAs (CTA p takes p in round
+    0, 2P - 1 - p in round 1, ...), so the costliest-first list lands evenly."""
+    p = gl.program_id(0)
+    n_ctas = gl.num_programs(0)
+    i = p
+    if r % 2 == 1:
+        i = n_ctas - 1 - p
+    return r * n_ctas + i
 
 
 @gluon.jit
-def _work_item(w, offsets, kv_offsets, num_targets, H, n_bh, n_m_tiles, CAUSAL: gl.constexpr,
+def _listed(work, w, H, n_seq):
+    """Work index w -> (t, b, h): entry w // H of the list (:mod:`jagged_work_list`: t·B + b, tile
+    t of sequence b, B = n_seq), head w % H."""
+    pair = gl.load(work + w // H)
+    return pair // n_seq, pair % n_seq, w % H
+
+
+@gluon.jit
+def _work_item(w, work, n_seq, offsets, kv_offsets, num_targets, H, CAUSAL: gl.constexpr,
                HAS_TARGETS: gl.constexpr, CROSS: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Work item w, heaviest first (query-tile level from the last down, then sequence, then head)
-    -> (h, m0, start, seq_len, kv_start, kv_len, history, n_full, n_tiles): query rows
-    [m0, m0 + 128) of head h against the key rows [kv_start, kv_start + kv_len) (its own
-    sequence's, or with CROSS the kv sequence's); the item is empty when m0 >= seq_len."""
-    level, b, h = _split(w, H, n_bh)
-    m0 = (n_m_tiles - 1 - level) * _BLOCK_M
+    """Work index w of the list (:func:`_listed`) -> (h, m0, start, seq_len, kv_start, kv_len,
+    history, n_full, n_tiles): query rows [m0, m0 + 128) of head h against the key rows
+    [kv_start, kv_start + kv_len) (its own sequence's, or with CROSS the kv sequence's)."""
+    t, b, h = _listed(work, w, H, n_seq)
+    m0 = t * _BLOCK_M
     start, seq_len, history = _sequence(offsets, num_targets, b, HAS_TARGETS)
     kv_start = start
     kv_len = seq_len
@@ -327,41 +340,45 @@ def _attend(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v
 
 @gluon.jit
 def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, O, LSE2,
-              offsets, kv_offsets, num_targets, stride_t, H, n_bh, n_m_tiles, qk_scale, inv_norm,
+              offsets, kv_offsets, num_targets, stride_t, H, work, n_listed, n_seq, qk_scale, inv_norm,
               ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr, CROSS: gl.constexpr):
     """One warpgroup: its 64 query rows of every work item of this CTA (:func:`_attend`)."""
     BLOCK_N: gl.constexpr = k_ring.type.shape[1]
     base = 0
     item = 0
-    for w in range(gl.program_id(0), n_bh * n_m_tiles, gl.num_programs(0)):
-        h, m0, start, seq_len, kv_start, kv_len, history, n_full, n_tiles = _work_item(
-            w, offsets, kv_offsets, num_targets, H, n_bh, n_m_tiles, CAUSAL, HAS_TARGETS, CROSS, BLOCK_N)
-        has_work = m0 < seq_len
-        if CROSS:                                  # (self-attention: every row sees a key)
-            if has_work & (n_tiles == 0):          # an empty kv sequence
-                _store_no_keys(wg, O, LSE2, start, seq_len, m0, h, H, stride_t, ACTIVATION, k_ring.type.shape[2])
-            has_work = has_work & (n_tiles > 0)
-        if has_work:
-            _attend(wg, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, O, LSE2, start,
-                    seq_len, kv_len, history, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles, base,
-                    item, ACTIVATION, CAUSAL, HAS_TARGETS)
-            base += n_tiles
-            item += 1
+    n_work = gl.load(n_listed) * H
+    for r in range(gl.cdiv(n_work, gl.num_programs(0))):
+        w = _dealt(r)
+        if w < n_work:
+            h, m0, start, seq_len, kv_start, kv_len, history, n_full, n_tiles = _work_item(
+                w, work, n_seq, offsets, kv_offsets, num_targets, H, CAUSAL, HAS_TARGETS, CROSS, BLOCK_N)
+            has_keys = True
+            if CROSS:                              # (self-attention: every row sees a key)
+                if n_tiles == 0:                   # an empty kv sequence
+                    _store_no_keys(wg, O, LSE2, start, seq_len, m0, h, H, stride_t, ACTIVATION,
+                                   k_ring.type.shape[2])
+                has_keys = n_tiles > 0
+            if has_keys:
+                _attend(wg, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, O, LSE2, start,
+                        seq_len, kv_len, history, m0, h, H, stride_t, qk_scale, inv_norm, n_full, n_tiles, base,
+                        item, ACTIVATION, CAUSAL, HAS_TARGETS)
+                base += n_tiles
+                item += 1
 
 
 @gluon.jit
 def _second_consumer(q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, q_desc, k_desc, v_desc,
-                     O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, n_bh, n_m_tiles, qk_scale, inv_norm,
+                     O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, work, n_listed, n_seq, qk_scale, inv_norm,
                      ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr,
                      CROSS: gl.constexpr):
     """Worker partition: the consumer of query rows 64..127 (workers share one signature)."""
     _consumer(1, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, O, LSE2, offsets, kv_offsets,
-              num_targets, stride_t, H, n_bh, n_m_tiles, qk_scale, inv_norm, ACTIVATION, CAUSAL, HAS_TARGETS, CROSS)
+              num_targets, stride_t, H, work, n_listed, n_seq, qk_scale, inv_norm, ACTIVATION, CAUSAL, HAS_TARGETS, CROSS)
 
 
 @gluon.jit
 def _producer(q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, q_desc, k_desc, v_desc,
-              O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, n_bh, n_m_tiles, qk_scale, inv_norm,
+              O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, work, n_listed, n_seq, qk_scale, inv_norm,
               ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr, CROSS: gl.constexpr):
     """Worker partition, one warp: for each work item that meets keys, both query halves (once
     the consumers are done with the last ones), then its key/value tiles."""
@@ -369,31 +386,33 @@ def _producer(q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty
     D: gl.constexpr = k_ring.type.shape[2]
     base = 0
     item = 0
-    for w in range(gl.program_id(0), n_bh * n_m_tiles, gl.num_programs(0)):
-        h, m0, start, seq_len, kv_start, kv_len, history, n_full, n_tiles = _work_item(
-            w, offsets, kv_offsets, num_targets, H, n_bh, n_m_tiles, CAUSAL, HAS_TARGETS, CROSS, BLOCK_N)
-        has_work = m0 < seq_len
-        if CROSS:
-            has_work = has_work & (n_tiles > 0)
-        if has_work:
-            col = h * D
-            mbarrier.wait(q_empty, (item & 1) ^ 1)     # fresh barrier: passes
-            mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-            _tma_load(q_desc, [start + m0, col], q_bar, q_smem.index(0))
-            _tma_load(q_desc, [start + m0 + _BLOCK_M // 2, col], q_bar, q_smem.index(1))
-            _stream_tiles(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, kv_start, n_tiles, col, base)
-            base += n_tiles
-            item += 1
+    n_work = gl.load(n_listed) * H
+    for r in range(gl.cdiv(n_work, gl.num_programs(0))):
+        w = _dealt(r)
+        if w < n_work:
+            h, m0, start, seq_len, kv_start, kv_len, history, n_full, n_tiles = _work_item(
+                w, work, n_seq, offsets, kv_offsets, num_targets, H, CAUSAL, HAS_TARGETS, CROSS, BLOCK_N)
+            if n_tiles > 0:                        # (only cross attention's empty kv sequences have none)
+                col = h * D
+                mbarrier.wait(q_empty, (item & 1) ^ 1)     # fresh barrier: passes
+                mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+                _tma_load(q_desc, [start + m0, col], q_bar, q_smem.index(0))
+                _tma_load(q_desc, [start + m0 + _BLOCK_M // 2, col], q_bar, q_smem.index(1))
+                _stream_tiles(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, kv_start, n_tiles, col,
+                              base)
+                base += n_tiles
+                item += 1
 
 
 @gluon.jit
-def _jagged_attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, n_bh,
-                            n_m_tiles, qk_scale, inv_norm, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
+def _jagged_attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, work, n_listed,
+                            n_seq, qk_scale, inv_norm, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
                             CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr, CROSS: gl.constexpr,
                             PERSISTENT: gl.constexpr):
-    """CTA p takes work items p, p + P, p + 2P, ... (P CTAs; :func:`_work_item`, n_bh·n_m_tiles
-    items, n_bh = B·H): persistent, P is the SM count and a consumer's epilogue overlaps the next
-    item's loads; else P covers every item and an empty item's CTA returns at once.
+    """Work items: the first n_listed entries of ``work`` (:mod:`jagged_work_list`: t·B + b,
+    costliest first; B = n_seq) times H heads, dealt to the P CTAs in a snake (:func:`_dealt`).
+    Persistent: P is the SM count and a consumer's epilogue overlaps the next item's loads; else
+    P covers every possible item and a CTA past the list returns at once.
     Descriptors over the (T, H·D) views, blocks (64, D) for q and (BLOCK_N, D) for k and v;
     O (T, H, D) contiguous; LSE2 (T, H) float32, softmax only; offsets (B+1,) of q's sequences;
     kv_offsets (B+1,) of k's and v's, read only when CROSS (not causal); num_targets (B,) int64,
@@ -404,17 +423,15 @@ def _jagged_attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE2, offsets, kv_offsets
     if PERSISTENT:
         active = True
     else:
-        _, m0, _, seq_len, _, _, _, _, _ = _work_item(gl.program_id(0), offsets, kv_offsets, num_targets, H, n_bh,
-                                                      n_m_tiles, CAUSAL, HAS_TARGETS, CROSS, BLOCK_N)
-        active = m0 < seq_len
+        active = gl.program_id(0) < gl.load(n_listed) * H
     if active:
-        _launch_partitions(q_desc, k_desc, v_desc, O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, n_bh,
-                           n_m_tiles, qk_scale, inv_norm, STAGES, ACTIVATION, CAUSAL, HAS_TARGETS, CROSS)
+        _launch_partitions(q_desc, k_desc, v_desc, O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, work, n_listed,
+                           n_seq, qk_scale, inv_norm, STAGES, ACTIVATION, CAUSAL, HAS_TARGETS, CROSS)
 
 
 @gluon.jit
-def _launch_partitions(q_desc, k_desc, v_desc, O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, n_bh,
-                       n_m_tiles, qk_scale, inv_norm, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
+def _launch_partitions(q_desc, k_desc, v_desc, O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, work, n_listed,
+                       n_seq, qk_scale, inv_norm, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
                        CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr, CROSS: gl.constexpr):
     """Shared memory, barriers and the three partitions of :func:`_jagged_attn_fwd_hopper`."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
@@ -428,13 +445,13 @@ def _launch_partitions(q_desc, k_desc, v_desc, O, LSE2, offsets, kv_offsets, num
     # the argument tuples are written out: a tuple bound to a name first loses its constexprs
     gl.warp_specialize([
         (_consumer, (0, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, O, LSE2, offsets,
-                     kv_offsets, num_targets, stride_t, H, n_bh, n_m_tiles, qk_scale, inv_norm, ACTIVATION, CAUSAL,
+                     kv_offsets, num_targets, stride_t, H, work, n_listed, n_seq, qk_scale, inv_norm, ACTIVATION, CAUSAL,
                      HAS_TARGETS, CROSS)),
         (_second_consumer, (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, q_desc, k_desc,
-                            v_desc, O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, n_bh, n_m_tiles,
+                            v_desc, O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, work, n_listed, n_seq,
                             qk_scale, inv_norm, ACTIVATION, CAUSAL, HAS_TARGETS, CROSS)),
         (_producer, (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, q_desc, k_desc, v_desc,
-                     O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, n_bh, n_m_tiles, qk_scale, inv_norm,
+                     O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, work, n_listed, n_seq, qk_scale, inv_norm,
                      ACTIVATION, CAUSAL, HAS_TARGETS, CROSS)),
     ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
@@ -531,15 +548,16 @@ def jagged_attention_fwd_hopper(q, k, v, offsets, activation: str, causal: bool,
     out = q.new_empty(T, H, D)                    # the kernel stores rows of H·D
     softmax = activation == "softmax"
     lse2 = torch.empty(T if softmax else 0, H, device=q.device, dtype=torch.float32)
-    n_m_tiles = math.ceil(max_seqlen / BLOCK_M)
-    if B * H == 0 or n_m_tiles == 0 or T == 0:
+    n_levels = math.ceil(max_seqlen / BLOCK_M)
+    if B * H == 0 or n_levels == 0 or T == 0:
         return out, lse2
     qk_scale = scale * 1.4426950408889634 if softmax else scale
-    n_items = B * H * n_m_tiles
+    work, n_listed = work_list(offsets, max_seqlen, from_end=False)
+    n_items = B * H * n_levels                     # at most
     ctas = min(n_items, sm_count(q.device)) if persistent else n_items
     _jagged_attn_fwd_hopper[(ctas,)](
         *_descriptors(q, k, v, block_n), out, lse2, offsets, offsets if kv_offsets is None else kv_offsets,
-        offsets if num_targets is None else num_targets, out.stride(0), H, B * H, n_m_tiles, qk_scale, inv_norm,
+        offsets if num_targets is None else num_targets, out.stride(0), H, work, n_listed, B, qk_scale, inv_norm,
         STAGES=stages, ACTIVATION=ACTIVATION_CODES[activation], CAUSAL=bool(causal),
         HAS_TARGETS=num_targets is not None, CROSS=kv_offsets is not None, PERSISTENT=persistent,
         num_warps=4, maxnreg=MAXNREG)

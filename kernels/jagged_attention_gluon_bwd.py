@@ -30,10 +30,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from gemcore.kernels.jagged_attention_gluon import (_BLOCK_M, _CONSUMER_REGS, _PRODUCER_REGS, MAXNREG, _allowed,
-                                                    _ring_barriers, _sequence, _split, _stream_tiles, _tanh_fast,
-                                                    _tma_load, _work_item, descriptor, on_hopper, packed_rows,
+                                                    _dealt, _listed, _ring_barriers, _sequence,
+                                                    _stream_tiles, _tanh_fast, _tma_load, _work_item, descriptor, on_hopper, packed_rows,
                                                     sm_count, unsupported_reason)
 from gemcore.kernels.jagged_attention_triton_common import ACTIVATION_CODES
+from gemcore.kernels.jagged_work_list import work_list
 
 #: (rows per CTA, rows per ring slot, ring slots) of the two kernels. dQ: 128 query rows, 64-row
 #: K/V tiles, 3 slots; dK/dV: 128 key rows, 64-row Q/dO tiles, 2 slots (3 timed the same on the H200)
@@ -188,15 +189,17 @@ def _dq_item(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_fre
 
 @gluon.jit
 def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty,
-                 DQ, O, LSE2, DELTA, offsets, num_targets, H, n_bh, n_levels, stride_t, stride_o, scale,
+                 DQ, O, LSE2, DELTA, offsets, num_targets, H, work, n_listed, n_seq, stride_t, stride_o, scale,
                  qk_scale, inv_norm, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
     """One warpgroup: its 64 query rows of every work item of this CTA (:func:`_dq_item`)."""
     base = 0
     item = 0
-    for w in range(gl.program_id(0), n_bh * n_levels, gl.num_programs(0)):
-        h, m0, start, seq_len, _, _, history, n_full, n_tiles = _work_item(
-            w, offsets, offsets, num_targets, H, n_bh, n_levels, CAUSAL, HAS_TARGETS, False, k_ring.type.shape[1])
-        if m0 < seq_len:
+    n_work = gl.load(n_listed) * H
+    for r in range(gl.cdiv(n_work, gl.num_programs(0))):
+        w = _dealt(r)
+        if w < n_work:
+            h, m0, start, seq_len, _, _, history, n_full, n_tiles = _work_item(
+                w, work, n_seq, offsets, offsets, num_targets, H, CAUSAL, HAS_TARGETS, False, k_ring.type.shape[1])
             _dq_item(wg, q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty, DQ, O,
                      LSE2, DELTA, start, seq_len, history, m0, h, H, stride_t, stride_o, scale, qk_scale,
                      inv_norm, n_full, n_tiles, base, item, ACTIVATION, CAUSAL, HAS_TARGETS)
@@ -206,28 +209,30 @@ def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo
 
 @gluon.jit
 def _dq_second_consumer(q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty, q_desc,
-                        do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, offsets, num_targets, H, n_bh, n_levels,
+                        do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, offsets, num_targets, H, work, n_listed, n_seq,
                         stride_t, stride_o, scale, qk_scale, inv_norm, ACTIVATION: gl.constexpr,
                         CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
     """Worker partition: the consumer of query rows 64..127 (workers share one signature)."""
     _dq_consumer(1, q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty, DQ, O, LSE2,
-                 DELTA, offsets, num_targets, H, n_bh, n_levels, stride_t, stride_o, scale, qk_scale, inv_norm,
+                 DELTA, offsets, num_targets, H, work, n_listed, n_seq, stride_t, stride_o, scale, qk_scale, inv_norm,
                  ACTIVATION, CAUSAL, HAS_TARGETS)
 
 
 @gluon.jit
 def _dq_producer(q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty, q_desc, do_desc,
-                 k_desc, v_desc, DQ, O, LSE2, DELTA, offsets, num_targets, H, n_bh, n_levels, stride_t,
+                 k_desc, v_desc, DQ, O, LSE2, DELTA, offsets, num_targets, H, work, n_listed, n_seq, stride_t,
                  stride_o, scale, qk_scale, inv_norm, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
                  HAS_TARGETS: gl.constexpr):
     """Worker partition, one warp: per work item, both halves of Q and dO (once the consumers
     are done with the last ones), then its K/V tiles into the ring."""
     base = 0
     item = 0
-    for w in range(gl.program_id(0), n_bh * n_levels, gl.num_programs(0)):
-        h, m0, start, seq_len, _, _, history, n_full, n_tiles = _work_item(
-            w, offsets, offsets, num_targets, H, n_bh, n_levels, CAUSAL, HAS_TARGETS, False, k_ring.type.shape[1])
-        if m0 < seq_len:
+    n_work = gl.load(n_listed) * H
+    for r in range(gl.cdiv(n_work, gl.num_programs(0))):
+        w = _dealt(r)
+        if w < n_work:
+            h, m0, start, seq_len, _, _, history, n_full, n_tiles = _work_item(
+                w, work, n_seq, offsets, offsets, num_targets, H, CAUSAL, HAS_TARGETS, False, k_ring.type.shape[1])
             col = h * k_ring.type.shape[2]
             mbarrier.wait(qdo_free, (item & 1) ^ 1)      # fresh barrier: passes
             _load_halves(q_desc, do_desc, q_smem, do_smem, qdo_bar, start + m0, col)
@@ -238,27 +243,25 @@ def _dq_producer(q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_
 
 @gluon.jit
 def _jagged_attn_bwd_dq_hopper(q_desc, do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, offsets, num_targets,
-                               stride_t, stride_o, H, n_bh, n_levels, scale, qk_scale, inv_norm,
+                               stride_t, stride_o, H, work, n_listed, n_seq, scale, qk_scale, inv_norm,
                                STAGES: gl.constexpr, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
                                HAS_TARGETS: gl.constexpr, PERSISTENT: gl.constexpr):
-    """Over n_bh·n_levels work items (n_bh = B·H; the forward's :func:`_work_item`), persistent or one
-    CTA per item (an empty item's returns at once), as the forward. Descriptors over (T, H·D)
+    """Over the forward's work items (``work``: its list, :func:`_work_item`), persistent or one
+    CTA per possible item (one past the list returns at once), as the forward. Descriptors over (T, H·D)
     row views: q / dO in (64, D) blocks, k / v in (BLOCK_N, D). DQ (T, H, D) with row stride
     stride_t; O (T, H, D) with row stride stride_o (softmax only); LSE2, DELTA (T, H) float32."""
     if PERSISTENT:
         active = True
     else:
-        _, m0, _, seq_len, _, _, _, _, _ = _work_item(gl.program_id(0), offsets, offsets, num_targets, H, n_bh,
-                                                      n_levels, CAUSAL, HAS_TARGETS, False, k_desc.block_type.shape[0])
-        active = m0 < seq_len
+        active = gl.program_id(0) < gl.load(n_listed) * H
     if active:
         _dq_partitions(q_desc, do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, offsets, num_targets, stride_t, stride_o,
-                       H, n_bh, n_levels, scale, qk_scale, inv_norm, STAGES, ACTIVATION, CAUSAL, HAS_TARGETS)
+                       H, work, n_listed, n_seq, scale, qk_scale, inv_norm, STAGES, ACTIVATION, CAUSAL, HAS_TARGETS)
 
 
 @gluon.jit
 def _dq_partitions(q_desc, do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, offsets, num_targets, stride_t, stride_o,
-                   H, n_bh, n_levels, scale, qk_scale, inv_norm, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
+                   H, work, n_listed, n_seq, scale, qk_scale, inv_norm, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
                    CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
     """Shared memory, barriers and the three partitions of :func:`_jagged_attn_bwd_dq_hopper`."""
     q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty = _buffers(
@@ -266,14 +269,14 @@ def _dq_partitions(q_desc, do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, offsets,
     # the argument tuples are written out: a tuple bound to a name first loses its constexprs
     gl.warp_specialize([
         (_dq_consumer, (0, q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty, DQ, O,
-                        LSE2, DELTA, offsets, num_targets, H, n_bh, n_levels, stride_t, stride_o, scale,
+                        LSE2, DELTA, offsets, num_targets, H, work, n_listed, n_seq, stride_t, stride_o, scale,
                         qk_scale, inv_norm, ACTIVATION, CAUSAL, HAS_TARGETS)),
         (_dq_second_consumer, (q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty,
                                q_desc, do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, offsets, num_targets, H,
-                               n_bh, n_levels, stride_t, stride_o, scale, qk_scale, inv_norm, ACTIVATION,
+                               work, n_listed, n_seq, stride_t, stride_o, scale, qk_scale, inv_norm, ACTIVATION,
                                CAUSAL, HAS_TARGETS)),
         (_dq_producer, (q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty, q_desc,
-                        do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, offsets, num_targets, H, n_bh, n_levels,
+                        do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, offsets, num_targets, H, work, n_listed, n_seq,
                         stride_t, stride_o, scale, qk_scale, inv_norm, ACTIVATION, CAUSAL, HAS_TARGETS)),
     ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
@@ -371,13 +374,13 @@ def _dkdv_item(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_bar, kv_fre
 
 
 @gluon.jit
-def _dkdv_item_bounds(w, offsets, num_targets, H, n_bh, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
+def _dkdv_item_bounds(w, work, n_seq, offsets, num_targets, H, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
                       HAS_TARGETS: gl.constexpr):
-    """dK/dV's work item w, the key tiles seen by the most queries first -> (h, n0, start,
-    seq_len, history, i0, n_iters): key rows [n0, n0 + 128) of head h against query tiles i0 ..
-    i0 + n_iters - 1 (BLOCK_M rows each), empty when n0 >= seq_len."""
-    level, b, h = _split(w, H, n_bh)
-    n0 = level * _BLOCK_M
+    """dK/dV's work index w of the list (:func:`_listed`; key tiles, those seen by the most queries
+    first) -> (h, n0, start, seq_len, history, i0, n_iters): key rows [n0, n0 + 128) of head h
+    against query tiles i0 .. i0 + n_iters - 1 (BLOCK_M rows each)."""
+    t, b, h = _listed(work, w, H, n_seq)
+    n0 = t * _BLOCK_M
     start, seq_len, history = _sequence(offsets, num_targets, b, HAS_TARGETS)
     i0 = 0
     i_end = gl.cdiv(seq_len, BLOCK_M)
@@ -391,15 +394,17 @@ def _dkdv_item_bounds(w, offsets, num_targets, H, n_bh, BLOCK_M: gl.constexpr, C
 
 @gluon.jit
 def _dkdv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do_ready, empty,
-                   DK, DV, LSE2, DELTA, offsets, num_targets, H, n_bh, n_levels, stride_t, scale, qk_scale,
+                   DK, DV, LSE2, DELTA, offsets, num_targets, H, work, n_listed, n_seq, stride_t, scale, qk_scale,
                    inv_norm, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
     """One warpgroup: its 64 key rows of every work item of this CTA (:func:`_dkdv_item`)."""
     base = 0
     item = 0
-    for w in range(gl.program_id(0), n_bh * n_levels, gl.num_programs(0)):
-        h, n0, start, seq_len, history, i0, n_iters = _dkdv_item_bounds(
-            w, offsets, num_targets, H, n_bh, q_ring.type.shape[1], CAUSAL, HAS_TARGETS)
-        if n0 < seq_len:
+    n_work = gl.load(n_listed) * H
+    for r in range(gl.cdiv(n_work, gl.num_programs(0))):
+        w = _dealt(r)
+        if w < n_work:
+            h, n0, start, seq_len, history, i0, n_iters = _dkdv_item_bounds(
+                w, work, n_seq, offsets, num_targets, H, q_ring.type.shape[1], CAUSAL, HAS_TARGETS)
             _dkdv_item(wg, k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do_ready, empty, DK, DV,
                        LSE2, DELTA, start, seq_len, history, n0, h, H, stride_t, scale, qk_scale, inv_norm, i0,
                        n_iters, base, item, ACTIVATION, CAUSAL, HAS_TARGETS)
@@ -409,18 +414,18 @@ def _dkdv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_bar, kv
 
 @gluon.jit
 def _dkdv_second_consumer(k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do_ready, empty, k_desc,
-                          v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, offsets, num_targets, H, n_bh, n_levels,
+                          v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, offsets, num_targets, H, work, n_listed, n_seq,
                           stride_t, scale, qk_scale, inv_norm, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
                           HAS_TARGETS: gl.constexpr):
     """Worker partition: the consumer of key rows 64..127 (workers share one signature)."""
     _dkdv_consumer(1, k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do_ready, empty, DK, DV, LSE2,
-                   DELTA, offsets, num_targets, H, n_bh, n_levels, stride_t, scale, qk_scale, inv_norm,
+                   DELTA, offsets, num_targets, H, work, n_listed, n_seq, stride_t, scale, qk_scale, inv_norm,
                    ACTIVATION, CAUSAL, HAS_TARGETS)
 
 
 @gluon.jit
 def _dkdv_producer(k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do_ready, empty, k_desc, v_desc,
-                   q_desc, do_desc, DK, DV, LSE2, DELTA, offsets, num_targets, H, n_bh, n_levels, stride_t,
+                   q_desc, do_desc, DK, DV, LSE2, DELTA, offsets, num_targets, H, work, n_listed, n_seq, stride_t,
                    scale, qk_scale, inv_norm, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
                    HAS_TARGETS: gl.constexpr):
     """Worker partition, one warp: per work item, both K/V halves (once the consumers are done
@@ -428,10 +433,12 @@ def _dkdv_producer(k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do
     BLOCK_M: gl.constexpr = q_ring.type.shape[1]
     base = 0
     item = 0
-    for w in range(gl.program_id(0), n_bh * n_levels, gl.num_programs(0)):
-        h, n0, start, seq_len, history, i0, n_iters = _dkdv_item_bounds(
-            w, offsets, num_targets, H, n_bh, BLOCK_M, CAUSAL, HAS_TARGETS)
-        if n0 < seq_len:
+    n_work = gl.load(n_listed) * H
+    for r in range(gl.cdiv(n_work, gl.num_programs(0))):
+        w = _dealt(r)
+        if w < n_work:
+            h, n0, start, seq_len, history, i0, n_iters = _dkdv_item_bounds(
+                w, work, n_seq, offsets, num_targets, H, BLOCK_M, CAUSAL, HAS_TARGETS)
             col = h * k_smem.type.shape[2]
             mbarrier.wait(kv_free, (item & 1) ^ 1)       # fresh barrier: passes
             _load_halves(k_desc, v_desc, k_smem, v_smem, kv_bar, start + n0, col)
@@ -443,41 +450,39 @@ def _dkdv_producer(k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do
 
 @gluon.jit
 def _jagged_attn_bwd_dkdv_hopper(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, offsets, num_targets,
-                                 stride_t, H, n_bh, n_levels, scale, qk_scale, inv_norm, STAGES: gl.constexpr,
+                                 stride_t, H, work, n_listed, n_seq, scale, qk_scale, inv_norm, STAGES: gl.constexpr,
                                  ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr,
                                  PERSISTENT: gl.constexpr):
-    """Over n_bh·n_levels work items (n_bh = B·H; :func:`_dkdv_item_bounds`), persistent or one
-    CTA per item (an empty item's returns at once), as the forward. Descriptors over (T, H·D)
-    row views: k / v in (64, D) blocks, q / dO in (BLOCK_M, D). DK, DV (T, H, D) with row stride
+    """Over the work items of ``work`` (key tiles, listed from each sequence's end:
+    :func:`_dkdv_item_bounds`), persistent or one CTA per possible item, as the forward.
+    Descriptors over (T, H·D) row views: k / v in (64, D) blocks, q / dO in (BLOCK_M, D). DK, DV (T, H, D) with row stride
     stride_t; LSE2, DELTA (T, H) float32 (softmax only)."""
     if PERSISTENT:
         active = True
     else:
-        _, n0, _, seq_len, _, _, _ = _dkdv_item_bounds(gl.program_id(0), offsets, num_targets, H, n_bh,
-                                                        q_desc.block_type.shape[0], CAUSAL, HAS_TARGETS)
-        active = n0 < seq_len
+        active = gl.program_id(0) < gl.load(n_listed) * H
     if active:
         _dkdv_partitions(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, offsets, num_targets, stride_t, H,
-                         n_bh, n_levels, scale, qk_scale, inv_norm, STAGES, ACTIVATION, CAUSAL, HAS_TARGETS)
+                         work, n_listed, n_seq, scale, qk_scale, inv_norm, STAGES, ACTIVATION, CAUSAL, HAS_TARGETS)
 
 
 @gluon.jit
 def _dkdv_partitions(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, offsets, num_targets, stride_t, H,
-                     n_bh, n_levels, scale, qk_scale, inv_norm, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
+                     work, n_listed, n_seq, scale, qk_scale, inv_norm, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
                      CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
     """Shared memory, barriers and the three partitions of :func:`_jagged_attn_bwd_dkdv_hopper`."""
     k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do_ready, empty = _buffers(
         k_desc, v_desc, q_desc, do_desc, STAGES)
     gl.warp_specialize([
         (_dkdv_consumer, (0, k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do_ready, empty, DK, DV,
-                          LSE2, DELTA, offsets, num_targets, H, n_bh, n_levels, stride_t, scale, qk_scale,
+                          LSE2, DELTA, offsets, num_targets, H, work, n_listed, n_seq, stride_t, scale, qk_scale,
                           inv_norm, ACTIVATION, CAUSAL, HAS_TARGETS)),
         (_dkdv_second_consumer, (k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do_ready, empty,
                                  k_desc, v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, offsets, num_targets, H,
-                                 n_bh, n_levels, stride_t, scale, qk_scale, inv_norm, ACTIVATION, CAUSAL,
+                                 work, n_listed, n_seq, stride_t, scale, qk_scale, inv_norm, ACTIVATION, CAUSAL,
                                  HAS_TARGETS)),
         (_dkdv_producer, (k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do_ready, empty, k_desc,
-                          v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, offsets, num_targets, H, n_bh, n_levels,
+                          v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, offsets, num_targets, H, work, n_listed, n_seq,
                           stride_t, scale, qk_scale, inv_norm, ACTIVATION, CAUSAL, HAS_TARGETS)),
     ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
@@ -523,17 +528,18 @@ def jagged_attention_bwd_hopper(do, q, k, v, out, lse2, offsets, activation: str
     flags = dict(ACTIVATION=ACTIVATION_CODES[activation], CAUSAL=bool(causal),
                  HAS_TARGETS=num_targets is not None, PERSISTENT=persistent, num_warps=4, maxnreg=MAXNREG)
     targets = offsets if num_targets is None else num_targets
-    n_levels = math.ceil(max_seqlen / 128)          # 128-row tiles of the longest sequence
-    n_items = B * H * n_levels
+    n_items = B * H * math.ceil(max_seqlen / 128)  # at most: 128-row tiles of the longest sequence
     ctas = min(n_items, sm_count(q.device)) if persistent else n_items
+    q_work, q_listed = work_list(offsets, max_seqlen, from_end=False)   # query tiles, as the forward's
+    k_work, k_listed = work_list(offsets, max_seqlen, from_end=True)    # key tiles
     _, slot, stages = DQ_TILE
     _jagged_attn_bwd_dq_hopper[(ctas,)](
         descriptor(q, 64), descriptor(do, 64), descriptor(k, slot), descriptor(v, slot),
-        dq, out, lse2, delta, offsets, targets, dq.stride(0), out.stride(0), H, B * H, n_levels, scale, qk_scale,
+        dq, out, lse2, delta, offsets, targets, dq.stride(0), out.stride(0), H, q_work, q_listed, B, scale, qk_scale,
         inv_norm, STAGES=stages, **flags)
     _, slot, stages = DKDV_TILE
     _jagged_attn_bwd_dkdv_hopper[(ctas,)](
         descriptor(k, 64), descriptor(v, 64), descriptor(q, slot), descriptor(do, slot),
-        dk, dv, lse2, delta, offsets, targets, dk.stride(0), H, B * H, n_levels, scale, qk_scale, inv_norm,
+        dk, dv, lse2, delta, offsets, targets, dk.stride(0), H, k_work, k_listed, B, scale, qk_scale, inv_norm,
         STAGES=stages, **flags)
     return dq, dk, dv

@@ -106,7 +106,7 @@ def test_compiles_for_sm90_with_the_installed_triton(activation, causal, dtype, 
                  "v_desc": mangle_type(descs[2]), "O": "*bf16" if dtype == torch.bfloat16 else "*fp16",
                  "LSE2": "*fp32", "offsets": "*i64", "kv_offsets": "*i64", "num_targets": "*i64",
                  "stride_t": "i32", "H": "i32",
-                 "n_bh": "i32", "n_m_tiles": "i32", "qk_scale": "fp32", "inv_norm": "fp32", "STAGES": "constexpr", "ACTIVATION": "constexpr",
+                 "work": "*i32", "n_listed": "*i32", "n_seq": "i32", "qk_scale": "fp32", "inv_norm": "fp32", "STAGES": "constexpr", "ACTIVATION": "constexpr",
                  "CAUSAL": "constexpr", "HAS_TARGETS": "constexpr", "CROSS": "constexpr", "PERSISTENT": "constexpr"}
     constexprs = {"STAGES": stages, "CAUSAL": causal, "HAS_TARGETS": causal, "CROSS": cross, "PERSISTENT": persistent,
                   "ACTIVATION": gluon_attention.ACTIVATION_CODES[activation]}

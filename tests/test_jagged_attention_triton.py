@@ -281,3 +281,49 @@ def test_torch_compile_without_graph_breaks():
     torch.testing.assert_close(compiled(q, k, v), f(q, k, v), rtol=2e-2, atol=1e-1)
     compiled(q, k, v).backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+# --------------------------------------------------------------------------- persistent work lists
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.one_of(st.sampled_from([0, 1, 127, 128, 129, 256]), st.integers(0, 1500)), max_size=40),
+       slack=st.sampled_from([0, 1, 300]), from_end=st.booleans())
+def test_work_list_holds_every_non_empty_item_once_costliest_first(lengths, slack, from_end):
+    """The GPU-built list of the Gluon kernels' (tile, sequence) items against a plain loop: every
+    non-empty item exactly once, empty and length-1 sequences among them, max_seqlen above the
+    longest length too (empty top levels)."""
+    from gemcore.kernels.jagged_work_list import work_list, work_list_reference
+
+    max_len = max(lengths, default=0) + slack
+    work, n_listed = work_list(_offsets(lengths), max_len, from_end)
+    want = work_list_reference(lengths, max_len, from_end)
+    assert int(n_listed) == len(want)
+    assert work[:len(want)].tolist() == want
+    B = len(lengths)
+    tiles = sorted(divmod(x, B) if B else None for x in want)
+    assert tiles == sorted((t, b) for b, n in enumerate(lengths) for t in range(-(-n // 128)))
+
+
+def test_work_list_of_a_batch_wider_than_one_chunk():
+    """More sequences than the list kernel reads at once (the chunked path)."""
+    from gemcore.kernels.jagged_work_list import _MAX_CHUNK, work_list, work_list_reference
+
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.randint(0, 400, (_MAX_CHUNK + 37,), generator=g).tolist()
+    for from_end in (False, True):
+        work, n_listed = work_list(_offsets(lengths), max(lengths), from_end)
+        want = work_list_reference(lengths, max(lengths), from_end)
+        assert int(n_listed) == len(want) and work[:len(want)].tolist() == want
+
+
+def test_work_list_costs_fall_along_the_list():
+    """Causal cost of each item (forward: tiles up to its own; dK/dV: tiles from its own to the
+    sequence's end) never rises along the list."""
+    from gemcore.kernels.jagged_work_list import work_list
+
+    lengths = [5, 700, 128, 0, 1300, 1, 260]
+    B = len(lengths)
+    for from_end in (False, True):
+        work, n_listed = work_list(_offsets(lengths), max(lengths), from_end)
+        items = [divmod(x, B) for x in work[:int(n_listed)].tolist()]
+        costs = [(-(-lengths[b] // 128) - t) if from_end else t + 1 for t, b in items]
+        assert costs == sorted(costs, reverse=True)

@@ -1,0 +1,100 @@
+"""Work lists of the persistent attention kernels: which (tile, sequence) items exist, costliest first.
+
+A persistent kernel launches one CTA per SM and deals the work items out. Dealing every
+(tile level, sequence) pair of a padded grid in a fixed stride leaves two costs on jagged batches:
+most pairs are empty (a level past a short sequence's end) yet each is read and skipped, and the
+non-empty ones land unevenly on the CTAs. Modelled with the item costs of ANCHORS.md's heavytail
+workload, the busiest CTA of that stride gets 1.44× the mean work; the list below, dealt in a
+snake order (CTA p takes item p of round 0, item 2P-1-p of round 1, ...), gets 1.02×.
+
+The list is built on the GPU by one single-program Triton kernel (no host sync, so the launch
+stays asynchronous), from the offsets alone.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+#: rows per tile: the Gluon kernels' 128-row work items
+TILE_ROWS = 128
+#: sequences per chunk of the list kernel; batches up to this many are read once
+_MAX_CHUNK = 4096
+
+
+@triton.jit
+def _tiles_of(offsets, b, B, TILE: tl.constexpr):
+    """128-row tiles of sequences b (masked past B: 0)."""
+    ok = b < B
+    length = tl.load(offsets + b + 1, mask=ok, other=0) - tl.load(offsets + b, mask=ok, other=0)
+    return tl.cdiv(length, TILE).to(tl.int32)
+
+
+@triton.jit
+def _list_level(work, n_tiles, b, B, level, listed, FROM_END: tl.constexpr):
+    """Appends the items of one level (sequences with more than ``level`` tiles, in order of b)
+    at ``listed``; returns the new length."""
+    valid = level < n_tiles
+    tile = n_tiles - 1 - level if FROM_END else level + 0 * n_tiles
+    flags = valid.to(tl.int32)
+    pos = listed + tl.cumsum(flags, 0) - 1
+    tl.store(work + pos, tile * B + b, mask=valid)
+    return listed + tl.sum(flags, 0)
+
+
+@triton.jit
+def _work_list_kernel(offsets, work, n_listed, B, n_levels, FROM_END: tl.constexpr, TILE: tl.constexpr,
+                      BLOCK_B: tl.constexpr, ONE_CHUNK: tl.constexpr):
+    """One program. Levels from n_levels-1 down to 0; ``work`` gets t·B + b per item, t = level
+    (FROM_END false) or the sequence's tile count - 1 - level (true); ``n_listed`` the count."""
+    listed = 0
+    if ONE_CHUNK:                                  # B <= BLOCK_B: the tile counts read once
+        b = tl.arange(0, BLOCK_B)
+        n_tiles = _tiles_of(offsets, b, B, TILE)
+        for i in range(n_levels):
+            listed = _list_level(work, n_tiles, b, B, n_levels - 1 - i, listed, FROM_END)
+    else:
+        for i in range(n_levels):
+            for b0 in range(0, B, BLOCK_B):
+                b = b0 + tl.arange(0, BLOCK_B)
+                listed = _list_level(work, _tiles_of(offsets, b, B, TILE), b, B, n_levels - 1 - i, listed,
+                                     FROM_END)
+    tl.store(n_listed, listed)
+
+
+def work_list(offsets: torch.Tensor, max_seqlen: int, from_end: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(work (n_levels·B,) int32, n_listed (1,) int32) for offsets (B+1,) int64 of sequences of
+    at most max_seqlen rows, n_levels = ceil(max_seqlen / 128). The first n_listed entries are
+    the non-empty items t·B + b (tile t: rows [128 t, 128 t + 128) of sequence b), costliest
+    first under causal attention; the rest of ``work`` is not written.
+
+    - ``from_end=False`` (the forward and dQ: query tiles, whose cost grows with t): tile levels
+      from the highest down, each level's sequences in order.
+    - ``from_end=True`` (dK/dV: key tiles, whose cost grows with the rows after them): level
+      ``l`` of sequence b is its tile n_tiles(b) - 1 - l, the tile with l tiles after it; so the
+      highest level lists the tiles with the most rows after them.
+    """
+    B = offsets.numel() - 1
+    n_levels = math.ceil(max_seqlen / TILE_ROWS)
+    work = torch.empty(n_levels * B, device=offsets.device, dtype=torch.int32)
+    n_listed = torch.zeros(1, device=offsets.device, dtype=torch.int32)
+    if n_levels * B == 0:
+        return work, n_listed
+    block = min(triton.next_power_of_2(B), _MAX_CHUNK)
+    _work_list_kernel[(1,)](offsets, work, n_listed, B, n_levels, FROM_END=from_end, TILE=TILE_ROWS,
+                            BLOCK_B=block, ONE_CHUNK=B <= block, num_warps=4 if block <= 1024 else 8)
+    return work, n_listed
+
+
+def work_list_reference(lengths: list[int], max_seqlen: int, from_end: bool) -> list[int]:
+    """:func:`work_list`'s items (its first n_listed entries), by a plain loop."""
+    B, n_levels = len(lengths), math.ceil(max_seqlen / TILE_ROWS)
+    items = []
+    for level in reversed(range(n_levels)):
+        for b, length in enumerate(lengths):
+            n_tiles = math.ceil(length / TILE_ROWS)
+            if level < n_tiles:
+                items.append((n_tiles - 1 - level if from_end else level) * B + b)
+    return items
