@@ -32,7 +32,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from gemcore.kernels.jagged_attention_triton_common import ACTIVATION_CODES
-from gemcore.kernels.jagged_work_list import work_list
+from gemcore.kernels.jagged_work_list import ENTRY_FIELDS, work_list
 
 # Triton 3.6 names the TMA load async_copy_global_to_shared; later versions async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -43,6 +43,7 @@ BLOCK_M = 128                    #: query rows per CTA: two consumer warpgroups 
 #: 64 x 4 on dense95), the pointwise activations 64 x 4 (412 against 403 for 128 x 3)
 TILES = {"softmax": (128, 3), "pointwise": (64, 4)}
 _BLOCK_M = gl.constexpr(BLOCK_M)
+_ENTRY_FIELDS = gl.constexpr(ENTRY_FIELDS)
 _CONSUMER_REGS, _PRODUCER_REGS = gl.constexpr(240), gl.constexpr(24)
 #: per-thread register cap of the whole kernel: two consumer warpgroups and the producer's share
 #: the SM's 64 Ki registers; the default partition gets what the workers leave
@@ -199,11 +200,24 @@ def _dealt(r):
 
 
 @gluon.jit
-def _listed(work, w, H, n_seq):
-    """Work index w -> (t, b, h): entry w // H of the list (:mod:`jagged_work_list`: t·B + b, tile
-    t of sequence b, B = n_seq), head w % H."""
-    pair = gl.load(work + w // H)
-    return pair // n_seq, pair % n_seq, w % H
+def _listed(work, w, H, n_seq, offsets, num_targets, HAS_TARGETS: gl.constexpr):
+    """Work index w -> (t, b, h, start, seq_len, history): entry w // H of the list
+    (:mod:`jagged_work_list`: t·B + b, tile t of sequence b, B = n_seq; with three fields per
+    entry also b's start and length, else read from the offsets), head w % H."""
+    entry = w // H
+    if _ENTRY_FIELDS == 3:
+        pair = gl.load(work + 3 * entry)
+        start = gl.load(work + 3 * entry + 1)
+        seq_len = gl.load(work + 3 * entry + 2)
+        b = pair % n_seq
+        history = seq_len
+        if HAS_TARGETS:
+            history = seq_len - gl.load(num_targets + b).to(gl.int32)
+    else:
+        pair = gl.load(work + entry)
+        b = pair % n_seq
+        start, seq_len, history = _sequence(offsets, num_targets, b, HAS_TARGETS)
+    return pair // n_seq, b, w % H, start, seq_len, history
 
 
 @gluon.jit
@@ -212,9 +226,8 @@ def _work_item(w, work, n_seq, offsets, kv_offsets, num_targets, H, CAUSAL: gl.c
     """Work index w of the list (:func:`_listed`) -> (h, m0, start, seq_len, kv_start, kv_len,
     history, n_full, n_tiles): query rows [m0, m0 + 128) of head h against the key rows
     [kv_start, kv_start + kv_len) (its own sequence's, or with CROSS the kv sequence's)."""
-    t, b, h = _listed(work, w, H, n_seq)
+    t, b, h, start, seq_len, history = _listed(work, w, H, n_seq, offsets, num_targets, HAS_TARGETS)
     m0 = t * _BLOCK_M
-    start, seq_len, history = _sequence(offsets, num_targets, b, HAS_TARGETS)
     kv_start = start
     kv_len = seq_len
     if CROSS:

@@ -30,7 +30,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from gemcore.kernels.jagged_attention_gluon import (_BLOCK_M, _CONSUMER_REGS, _PRODUCER_REGS, MAXNREG, _allowed,
-                                                    _dealt, _listed, _ring_barriers, _sequence,
+                                                    _dealt, _listed, _ring_barriers,
                                                     _stream_tiles, _tanh_fast, _tma_load, _work_item, descriptor, on_hopper, packed_rows,
                                                     sm_count, unsupported_reason)
 from gemcore.kernels.jagged_attention_triton_common import ACTIVATION_CODES
@@ -379,9 +379,8 @@ def _dkdv_item_bounds(w, work, n_seq, offsets, num_targets, H, BLOCK_M: gl.const
     """dK/dV's work index w of the list (:func:`_listed`; key tiles, those seen by the most queries
     first) -> (h, n0, start, seq_len, history, i0, n_iters): key rows [n0, n0 + 128) of head h
     against query tiles i0 .. i0 + n_iters - 1 (BLOCK_M rows each)."""
-    t, b, h = _listed(work, w, H, n_seq)
+    t, b, h, start, seq_len, history = _listed(work, w, H, n_seq, offsets, num_targets, HAS_TARGETS)
     n0 = t * _BLOCK_M
-    start, seq_len, history = _sequence(offsets, num_targets, b, HAS_TARGETS)
     i0 = 0
     i_end = gl.cdiv(seq_len, BLOCK_M)
     if CAUSAL:

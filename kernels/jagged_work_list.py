@@ -13,6 +13,7 @@ stays asynchronous), from the offsets alone.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -22,53 +23,69 @@ import triton.language as tl
 TILE_ROWS = 128
 #: sequences per chunk of the list kernel; batches up to this many are read once
 _MAX_CHUNK = 4096
+#: int32 fields per list entry: the item code only, or (code, sequence start, sequence length) so
+#: that a kernel reads an item's sequence without a second, dependent load of the offsets. The
+#: three-field list was written at the end of session 19 with no GPU time left (it compiles for
+#: sm_90 and its list is checked in the interpreter): opt-in, GEMCORE_GLUON_RICH_LIST=1 (read at
+#: import), until the Gluon GPU tests and an A/B have run with it
+ENTRY_FIELDS = 3 if os.environ.get("GEMCORE_GLUON_RICH_LIST", "0") == "1" else 1
 
 
 @triton.jit
-def _tiles_of(offsets, b, B, TILE: tl.constexpr):
-    """128-row tiles of sequences b (masked past B: 0)."""
+def _sequences(offsets, b, B, TILE: tl.constexpr):
+    """(128-row tiles, start, length) of sequences b, int32 (masked past B: 0)."""
     ok = b < B
-    length = tl.load(offsets + b + 1, mask=ok, other=0) - tl.load(offsets + b, mask=ok, other=0)
-    return tl.cdiv(length, TILE).to(tl.int32)
+    end = tl.load(offsets + b + 1, mask=ok, other=0)
+    start = tl.load(offsets + b, mask=ok, other=0)
+    length = end - start
+    return tl.cdiv(length, TILE).to(tl.int32), start.to(tl.int32), length.to(tl.int32)
 
 
 @triton.jit
-def _list_level(work, n_tiles, b, B, level, listed, FROM_END: tl.constexpr):
+def _list_level(work, n_tiles, start, length, b, B, level, listed, FROM_END: tl.constexpr,
+                FIELDS: tl.constexpr):
     """Appends the items of one level (sequences with more than ``level`` tiles, in order of b)
     at ``listed``; returns the new length."""
     valid = level < n_tiles
     tile = n_tiles - 1 - level if FROM_END else level + 0 * n_tiles
     flags = valid.to(tl.int32)
     pos = listed + tl.cumsum(flags, 0) - 1
-    tl.store(work + pos, tile * B + b, mask=valid)
+    tl.store(work + FIELDS * pos, tile * B + b, mask=valid)
+    if FIELDS == 3:
+        tl.store(work + 3 * pos + 1, start, mask=valid)
+        tl.store(work + 3 * pos + 2, length, mask=valid)
     return listed + tl.sum(flags, 0)
 
 
 @triton.jit
 def _work_list_kernel(offsets, work, n_listed, B, n_levels, FROM_END: tl.constexpr, TILE: tl.constexpr,
-                      BLOCK_B: tl.constexpr, ONE_CHUNK: tl.constexpr):
-    """One program. Levels from n_levels-1 down to 0; ``work`` gets t·B + b per item, t = level
-    (FROM_END false) or the sequence's tile count - 1 - level (true); ``n_listed`` the count."""
+                      BLOCK_B: tl.constexpr, ONE_CHUNK: tl.constexpr, FIELDS: tl.constexpr = 1):
+    """One program. Levels from n_levels-1 down to 0; ``work`` gets per item t·B + b (and with
+    FIELDS = 3 the sequence's start and length after it), t = level (FROM_END false) or the
+    sequence's tile count - 1 - level (true); ``n_listed`` the count."""
     listed = 0
-    if ONE_CHUNK:                                  # B <= BLOCK_B: the tile counts read once
+    if ONE_CHUNK:                                  # B <= BLOCK_B: the sequences read once
         b = tl.arange(0, BLOCK_B)
-        n_tiles = _tiles_of(offsets, b, B, TILE)
+        n_tiles, start, length = _sequences(offsets, b, B, TILE)
         for i in range(n_levels):
-            listed = _list_level(work, n_tiles, b, B, n_levels - 1 - i, listed, FROM_END)
+            listed = _list_level(work, n_tiles, start, length, b, B, n_levels - 1 - i, listed, FROM_END, FIELDS)
     else:
         for i in range(n_levels):
             for b0 in range(0, B, BLOCK_B):
                 b = b0 + tl.arange(0, BLOCK_B)
-                listed = _list_level(work, _tiles_of(offsets, b, B, TILE), b, B, n_levels - 1 - i, listed,
-                                     FROM_END)
+                n_tiles, start, length = _sequences(offsets, b, B, TILE)
+                listed = _list_level(work, n_tiles, start, length, b, B, n_levels - 1 - i, listed, FROM_END,
+                                     FIELDS)
     tl.store(n_listed, listed)
 
 
-def work_list(offsets: torch.Tensor, max_seqlen: int, from_end: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(work (n_levels·B,) int32, n_listed (1,) int32) for offsets (B+1,) int64 of sequences of
-    at most max_seqlen rows, n_levels = ceil(max_seqlen / 128). The first n_listed entries are
-    the non-empty items t·B + b (tile t: rows [128 t, 128 t + 128) of sequence b), costliest
-    first under causal attention; the rest of ``work`` is not written.
+def work_list(offsets: torch.Tensor, max_seqlen: int, from_end: bool,
+              fields: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(work (n_levels·B·fields,) int32, n_listed (1,) int32) for offsets (B+1,) int64 of
+    sequences of at most max_seqlen rows, n_levels = ceil(max_seqlen / 128). The first n_listed
+    entries are the non-empty items t·B + b (tile t: rows [128 t, 128 t + 128) of sequence b),
+    costliest first under causal attention, each followed by b's start and length when
+    ``fields`` (default ENTRY_FIELDS) is 3; the rest of ``work`` is not written.
 
     - ``from_end=False`` (the forward and dQ: query tiles, whose cost grows with t): tile levels
       from the highest down, each level's sequences in order.
@@ -76,15 +93,19 @@ def work_list(offsets: torch.Tensor, max_seqlen: int, from_end: bool) -> tuple[t
       ``l`` of sequence b is its tile n_tiles(b) - 1 - l, the tile with l tiles after it; so the
       highest level lists the tiles with the most rows after them.
     """
+    fields = fields or ENTRY_FIELDS
+    if fields not in (1, 3):
+        raise ValueError(f"fields must be 1 or 3, got {fields}")
     B = offsets.numel() - 1
     n_levels = math.ceil(max_seqlen / TILE_ROWS)
-    work = torch.empty(n_levels * B, device=offsets.device, dtype=torch.int32)
+    work = torch.empty(n_levels * B * fields, device=offsets.device, dtype=torch.int32)
     n_listed = torch.zeros(1, device=offsets.device, dtype=torch.int32)
     if n_levels * B == 0:
         return work, n_listed
     block = min(triton.next_power_of_2(B), _MAX_CHUNK)
     _work_list_kernel[(1,)](offsets, work, n_listed, B, n_levels, FROM_END=from_end, TILE=TILE_ROWS,
-                            BLOCK_B=block, ONE_CHUNK=B <= block, num_warps=4 if block <= 1024 else 8)
+                            BLOCK_B=block, ONE_CHUNK=B <= block, FIELDS=fields,
+                            num_warps=4 if block <= 1024 else 8)
     return work, n_listed
 
 

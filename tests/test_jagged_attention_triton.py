@@ -294,13 +294,18 @@ def test_work_list_holds_every_non_empty_item_once_costliest_first(lengths, slac
     from gemcore.kernels.jagged_work_list import work_list, work_list_reference
 
     max_len = max(lengths, default=0) + slack
-    work, n_listed = work_list(_offsets(lengths), max_len, from_end)
+    work, n_listed = work_list(_offsets(lengths), max_len, from_end, fields=1)
     want = work_list_reference(lengths, max_len, from_end)
     assert int(n_listed) == len(want)
     assert work[:len(want)].tolist() == want
     B = len(lengths)
     tiles = sorted(divmod(x, B) if B else None for x in want)
     assert tiles == sorted((t, b) for b, n in enumerate(lengths) for t in range(-(-n // 128)))
+    # three fields per entry: the same items, each with its sequence's start and length
+    rich, n_rich = work_list(_offsets(lengths), max_len, from_end, fields=3)
+    starts = [sum(lengths[:b]) for b in range(B)]
+    assert int(n_rich) == len(want)
+    assert rich[:3 * len(want)].view(-1, 3).tolist() == [[x, starts[x % B], lengths[x % B]] for x in want]
 
 
 def test_work_list_of_a_batch_wider_than_one_chunk():
@@ -310,9 +315,13 @@ def test_work_list_of_a_batch_wider_than_one_chunk():
     g = torch.Generator().manual_seed(5)
     lengths = torch.randint(0, 400, (_MAX_CHUNK + 37,), generator=g).tolist()
     for from_end in (False, True):
-        work, n_listed = work_list(_offsets(lengths), max(lengths), from_end)
+        work, n_listed = work_list(_offsets(lengths), max(lengths), from_end, fields=1)
         want = work_list_reference(lengths, max(lengths), from_end)
         assert int(n_listed) == len(want) and work[:len(want)].tolist() == want
+        rich, _ = work_list(_offsets(lengths), max(lengths), from_end, fields=3)
+        assert rich[:3 * len(want):3].tolist() == want
+    with pytest.raises(ValueError, match="fields"):
+        work_list(_offsets(lengths), max(lengths), False, fields=2)
 
 
 def test_work_list_costs_fall_along_the_list():
@@ -323,7 +332,7 @@ def test_work_list_costs_fall_along_the_list():
     lengths = [5, 700, 128, 0, 1300, 1, 260]
     B = len(lengths)
     for from_end in (False, True):
-        work, n_listed = work_list(_offsets(lengths), max(lengths), from_end)
+        work, n_listed = work_list(_offsets(lengths), max(lengths), from_end, fields=1)
         items = [divmod(x, B) for x in work[:int(n_listed)].tolist()]
         costs = [(-(-lengths[b] // 128) - t) if from_end else t + 1 for t, b in items]
         assert costs == sorted(costs, reverse=True)
