@@ -386,7 +386,8 @@ def _second_consumer(q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, k
                      CROSS: gl.constexpr):
     """Worker partition: the consumer of query rows 64..127 (workers share one signature)."""
     _consumer(1, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, O, LSE2, offsets, kv_offsets,
-              num_targets, stride_t, H, work, n_listed, n_seq, qk_scale, inv_norm, ACTIVATION, CAUSAL, HAS_TARGETS, CROSS)
+              num_targets, stride_t, H, work, n_listed, n_seq, qk_scale, inv_norm, ACTIVATION, CAUSAL, HAS_TARGETS,
+              CROSS)
 
 
 @gluon.jit
@@ -418,8 +419,8 @@ def _producer(q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty
 
 
 @gluon.jit
-def _jagged_attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, work, n_listed,
-                            n_seq, qk_scale, inv_norm, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
+def _jagged_attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, work,
+                            n_listed, n_seq, qk_scale, inv_norm, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
                             CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr, CROSS: gl.constexpr,
                             PERSISTENT: gl.constexpr):
     """Work items: the first n_listed entries of ``work`` (:mod:`jagged_work_list`: t·B + b,
@@ -438,8 +439,8 @@ def _jagged_attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE2, offsets, kv_offsets
     else:
         active = gl.program_id(0) < gl.load(n_listed) * H
     if active:
-        _launch_partitions(q_desc, k_desc, v_desc, O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, work, n_listed,
-                           n_seq, qk_scale, inv_norm, STAGES, ACTIVATION, CAUSAL, HAS_TARGETS, CROSS)
+        _launch_partitions(q_desc, k_desc, v_desc, O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, work,
+                           n_listed, n_seq, qk_scale, inv_norm, STAGES, ACTIVATION, CAUSAL, HAS_TARGETS, CROSS)
 
 
 @gluon.jit
@@ -458,8 +459,8 @@ def _launch_partitions(q_desc, k_desc, v_desc, O, LSE2, offsets, kv_offsets, num
     # the argument tuples are written out: a tuple bound to a name first loses its constexprs
     gl.warp_specialize([
         (_consumer, (0, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, O, LSE2, offsets,
-                     kv_offsets, num_targets, stride_t, H, work, n_listed, n_seq, qk_scale, inv_norm, ACTIVATION, CAUSAL,
-                     HAS_TARGETS, CROSS)),
+                     kv_offsets, num_targets, stride_t, H, work, n_listed, n_seq, qk_scale, inv_norm, ACTIVATION,
+                     CAUSAL, HAS_TARGETS, CROSS)),
         (_second_consumer, (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, q_desc, k_desc,
                             v_desc, O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, work, n_listed, n_seq,
                             qk_scale, inv_norm, ACTIVATION, CAUSAL, HAS_TARGETS, CROSS)),
@@ -565,7 +566,7 @@ def jagged_attention_fwd_hopper(q, k, v, offsets, activation: str, causal: bool,
     if B * H == 0 or n_levels == 0 or T == 0:
         return out, lse2
     qk_scale = scale * 1.4426950408889634 if softmax else scale
-    work, n_listed = work_list(offsets, max_seqlen, from_end=False)
+    work, n_listed = work_list(offsets, max_seqlen, n_rows=T, from_end=False)
     n_items = B * H * n_levels                     # at most
     ctas = min(n_items, sm_count(q.device)) if persistent else n_items
     _jagged_attn_fwd_hopper[(ctas,)](

@@ -30,8 +30,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from gemcore.kernels.jagged_attention_gluon import (_BLOCK_M, _CONSUMER_REGS, _PRODUCER_REGS, MAXNREG, _allowed,
-                                                    _dealt, _listed, _ring_barriers,
-                                                    _stream_tiles, _tanh_fast, _tma_load, _work_item, descriptor, on_hopper, packed_rows,
+                                                    _dealt, _listed, _ring_barriers, _stream_tiles, _tanh_fast,
+                                                    _tma_load, _work_item, descriptor, on_hopper, packed_rows,
                                                     sm_count, unsupported_reason)
 from gemcore.kernels.jagged_attention_triton_common import ACTIVATION_CODES
 from gemcore.kernels.jagged_work_list import work_list
@@ -454,8 +454,8 @@ def _jagged_attn_bwd_dkdv_hopper(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE2, 
                                  PERSISTENT: gl.constexpr):
     """Over the work items of ``work`` (key tiles, listed from each sequence's end:
     :func:`_dkdv_item_bounds`), persistent or one CTA per possible item, as the forward.
-    Descriptors over (T, H·D) row views: k / v in (64, D) blocks, q / dO in (BLOCK_M, D). DK, DV (T, H, D) with row stride
-    stride_t; LSE2, DELTA (T, H) float32 (softmax only)."""
+    Descriptors over (T, H·D) row views: k / v in (64, D) blocks, q / dO in (BLOCK_M, D).
+    DK, DV (T, H, D) with row stride stride_t; LSE2, DELTA (T, H) float32 (softmax only)."""
     if PERSISTENT:
         active = True
     else:
@@ -529,8 +529,9 @@ def jagged_attention_bwd_hopper(do, q, k, v, out, lse2, offsets, activation: str
     targets = offsets if num_targets is None else num_targets
     n_items = B * H * math.ceil(max_seqlen / 128)  # at most: 128-row tiles of the longest sequence
     ctas = min(n_items, sm_count(q.device)) if persistent else n_items
-    q_work, q_listed = work_list(offsets, max_seqlen, from_end=False)   # query tiles, as the forward's
-    k_work, k_listed = work_list(offsets, max_seqlen, from_end=True)    # key tiles
+    # query tiles (as the forward's list) for dQ, key tiles for dK/dV
+    q_work, q_listed = work_list(offsets, max_seqlen, n_rows=T, from_end=False)
+    k_work, k_listed = work_list(offsets, max_seqlen, n_rows=T, from_end=True)
     _, slot, stages = DQ_TILE
     _jagged_attn_bwd_dq_hopper[(ctas,)](
         descriptor(q, 64), descriptor(do, 64), descriptor(k, slot), descriptor(v, slot),

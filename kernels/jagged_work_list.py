@@ -79,13 +79,15 @@ def _work_list_kernel(offsets, work, n_listed, B, n_levels, FROM_END: tl.constex
     tl.store(n_listed, listed)
 
 
-def work_list(offsets: torch.Tensor, max_seqlen: int, from_end: bool,
+def work_list(offsets: torch.Tensor, max_seqlen: int, from_end: bool, n_rows: int | None = None,
               fields: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(work (n_levels·B·fields,) int32, n_listed (1,) int32) for offsets (B+1,) int64 of
-    sequences of at most max_seqlen rows, n_levels = ceil(max_seqlen / 128). The first n_listed
-    entries are the non-empty items t·B + b (tile t: rows [128 t, 128 t + 128) of sequence b),
-    costliest first under causal attention, each followed by b's start and length when
-    ``fields`` (default ENTRY_FIELDS) is 3; the rest of ``work`` is not written.
+    """(work (capacity·fields,) int32, n_listed (1,) int32) for offsets (B+1,) int64 of sequences
+    of at most max_seqlen rows, n_levels = ceil(max_seqlen / 128). The first n_listed entries are
+    the non-empty items t·B + b (tile t: rows [128 t, 128 t + 128) of sequence b), costliest
+    first under causal attention, each followed by b's start and length when ``fields`` (default
+    ENTRY_FIELDS) is 3; the rest of ``work`` is not written. ``n_rows``: offsets[-1] (the rows of
+    all sequences, known on the host), which bounds the items by (n_rows + 127·B) // 128, so the
+    list grows with the real rows, not with B·max_seqlen (capacity: the smaller bound).
 
     - ``from_end=False`` (the forward and dQ: query tiles, whose cost grows with t): tile levels
       from the highest down, each level's sequences in order.
@@ -98,7 +100,11 @@ def work_list(offsets: torch.Tensor, max_seqlen: int, from_end: bool,
         raise ValueError(f"fields must be 1 or 3, got {fields}")
     B = offsets.numel() - 1
     n_levels = math.ceil(max_seqlen / TILE_ROWS)
-    work = torch.empty(n_levels * B * fields, device=offsets.device, dtype=torch.int32)
+    capacity = n_levels * B                        # sum over b of ceil(len_b / 128), at most
+    if n_rows is not None:
+        capacity = min(capacity, (n_rows + (TILE_ROWS - 1) * B) // TILE_ROWS)
+    # (at least one entry: an empty CUDA tensor's null pointer is not a kernel argument)
+    work = torch.empty(max(capacity, 1) * fields, device=offsets.device, dtype=torch.int32)
     n_listed = torch.zeros(1, device=offsets.device, dtype=torch.int32)
     if n_levels * B == 0:
         return work, n_listed

@@ -294,15 +294,16 @@ def test_work_list_holds_every_non_empty_item_once_costliest_first(lengths, slac
     from gemcore.kernels.jagged_work_list import work_list, work_list_reference
 
     max_len = max(lengths, default=0) + slack
-    work, n_listed = work_list(_offsets(lengths), max_len, from_end, fields=1)
+    work, n_listed = work_list(_offsets(lengths), max_len, from_end, n_rows=sum(lengths), fields=1)
     want = work_list_reference(lengths, max_len, from_end)
     assert int(n_listed) == len(want)
+    assert len(want) <= work.numel() <= max(1, (sum(lengths) + 127 * len(lengths)) // 128)   # real rows bound it
     assert work[:len(want)].tolist() == want
     B = len(lengths)
     tiles = sorted(divmod(x, B) if B else None for x in want)
     assert tiles == sorted((t, b) for b, n in enumerate(lengths) for t in range(-(-n // 128)))
     # three fields per entry: the same items, each with its sequence's start and length
-    rich, n_rich = work_list(_offsets(lengths), max_len, from_end, fields=3)
+    rich, n_rich = work_list(_offsets(lengths), max_len, from_end, n_rows=sum(lengths), fields=3)
     starts = [sum(lengths[:b]) for b in range(B)]
     assert int(n_rich) == len(want)
     assert rich[:3 * len(want)].view(-1, 3).tolist() == [[x, starts[x % B], lengths[x % B]] for x in want]
