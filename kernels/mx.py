@@ -310,6 +310,15 @@ class _MXLinearFunction(torch.autograd.Function):
         return dx, dw, None, None
 
 
+def _is_dtensor(t) -> bool:
+    """Whether t is a torch DTensor (a weight under tensor parallelism)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
 class MXLinear(nn.Linear):
     """Drop-in ``nn.Linear`` whose three GEMMs (forward, dgrad, wgrad) run in MX.
 
@@ -344,6 +353,8 @@ class MXLinear(nn.Linear):
             out_dtype = torch.get_autocast_dtype(device_type)
         else:
             out_dtype = x.dtype
+        if _is_dtensor(self.weight):
+            return self._forward_tensor_parallel(x, out_dtype)
         lead = x.shape[:-1]
         with torch.autocast(device_type, enabled=False):
             out = _MXLinearFunction.apply(x.reshape(-1, self.in_features), self.weight, self.mx_config,
@@ -351,6 +362,49 @@ class MXLinear(nn.Linear):
             if x.dim() != 2:
                 out = out.reshape(*lead, self.out_features)
             if self.bias is not None:  # after the reshape: the output is no view (FSDP2 warns on views)
+                out = out + self.bias.to(out_dtype)
+        return out
+
+    def _forward_tensor_parallel(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """The forward under torch tensor parallelism (``ColwiseParallel`` / ``RowwiseParallel`` on
+        a 1-D mesh): the three MX GEMMs run on the local shards, so each rank casts only its part.
+
+        - colwise, weight ``Shard(0)`` (output features split): x arrives replicated; the output
+          is split along its last dimension, and x's gradient is a partial sum (reduced by
+          DTensor on the way back).
+        - rowwise, weight ``Shard(1)`` (input features split): x arrives split along its last
+          dimension; the output is a partial sum (``Partial``), the replicated bias added after
+          DTensor reduces it.
+        MX blocks run along each shard's own K (and N in dgrad): with splits on 32-element
+        borders they are the unsplit layer's blocks.
+        """
+        from torch.distributed.tensor import DTensor, Partial, Shard
+
+        weight = self.weight
+        if weight.device_mesh.ndim != 1 or len(weight.placements) != 1:
+            raise ValueError(f"MXLinear under tensor parallelism needs a 1-D mesh, got placements "
+                             f"{weight.placements}")
+        split = weight.placements[0]
+        if split == Shard(0):
+            x_local = x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else x
+            out_placement = Shard(x_local.dim() - 1)
+        elif split == Shard(1):
+            if not isinstance(x, DTensor):
+                raise ValueError("MXLinear with a row-split weight (Shard(1)) needs its input as a DTensor "
+                                 "split along the last dimension (RowwiseParallel's input layout)")
+            x_local = x.to_local()
+            out_placement = Partial()
+        else:
+            raise ValueError(f"MXLinear under tensor parallelism: weight placement {split} is neither "
+                             "Shard(0) (ColwiseParallel) nor Shard(1) (RowwiseParallel)")
+        lead, k_local = x_local.shape[:-1], x_local.shape[-1]
+        with torch.autocast(x_local.device.type, enabled=False):
+            out = _MXLinearFunction.apply(x_local.reshape(-1, k_local), weight.to_local(), self.mx_config, out_dtype)
+            out = out.reshape(*lead, out.shape[-1])
+            if self.bias is not None and split == Shard(0):
+                out = out + self.bias.to_local().to(out_dtype)
+            out = DTensor.from_local(out, weight.device_mesh, [out_placement], run_check=False)
+            if self.bias is not None and split == Shard(1):
                 out = out + self.bias.to(out_dtype)
         return out
 

@@ -407,3 +407,45 @@ def test_triton_kernels_in_interpreter():
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout
+
+
+@pytest.mark.parametrize("style", ["colwise", "rowwise"])
+def test_mxlinear_under_tensor_parallelism_equals_the_plain_layer(one_rank_group, style):
+    """ColwiseParallel / RowwiseParallel on a one-rank mesh turn the weight into a DTensor
+    (Shard(0) / Shard(1)); MXLinear then runs on the local shards and must give the plain layer's
+    output and gradients bit for bit (the multi-rank parity is tests/test_planner_apply.py's)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(3)
+    plain = mx.MXLinear(64, 96)
+    split = mx.MXLinear(64, 96)
+    split.load_state_dict(plain.state_dict())
+    mesh = init_device_mesh("cpu", (1,))
+    parallelize_module(split, mesh, ColwiseParallel() if style == "colwise" else RowwiseParallel())
+    assert isinstance(split.weight, DTensor)
+    x = torch.randn(5, 7, 64)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    want, got = plain(x1), split(x2)
+    assert torch.equal(got, want)
+    want.square().sum().backward()
+    got.square().sum().backward()
+    assert torch.equal(x2.grad, x1.grad)
+    assert torch.equal(split.weight.grad.full_tensor(), plain.weight.grad)
+    assert torch.equal(split.bias.grad.full_tensor(), plain.bias.grad)
+
+
+def test_mxlinear_tensor_parallel_bad_layouts(one_rank_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (1,))
+    rowwise = parallelize_module(mx.MXLinear(32, 32), mesh, RowwiseParallel())
+    with pytest.raises(ValueError, match="row-split weight"):
+        rowwise._forward_tensor_parallel(torch.randn(4, 32), torch.float32)   # a plain input
+    replicated = mx.MXLinear(32, 32, bias=False)
+    replicated.weight = nn.Parameter(distribute_tensor(replicated.weight.detach(), mesh, [Replicate()]))
+    with pytest.raises(ValueError, match="neither Shard"):
+        replicated(torch.randn(4, 32))

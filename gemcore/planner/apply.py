@@ -117,18 +117,16 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
     tp = tp_mesh.size()
     if tp == 1:
         return model
-    from gemcore.kernels.mx import MXLinear
+    from gemcore.kernels.mx_fsdp import unwrap_mx_weights
 
-    mx_layers = [name for name, m in model.named_modules() if isinstance(m, MXLinear)]
-    if mx_layers:
-        raise ValueError(f"parallelism: tp={tp} with MX layers ({', '.join(mx_layers[:3])}"
-                         f"{', ...' if len(mx_layers) > 3 else ''}): precision.impl='mxfp8' does not run on "
-                         "tensor-parallel (DTensor) weights yet; use a plan with tp=1 or another precision")
     done, reordered = [], {}
     for i, block in enumerate(model.blocks):
         named = ([(f"blocks.{i}.mlp.experts.{j}", e) for j, e in enumerate(block.mlp.experts)]
                  if hasattr(block.mlp, "experts") else [(f"blocks.{i}.mlp", block.mlp)])
         for name, mlp in named:
+            # MX layers (precision mxfp8) run on their local shards (MXLinear's tensor-parallel
+            # forward); their weights are all-gathered by FSDP2 as plain DTensor shards, not in MX
+            unwrap_mx_weights(mlp)
             with torch.no_grad():
                 mlp.gate_up.weight.copy_(_interleave_rows(mlp.gate_up.weight, 2, tp))
             reordered[f"{name}.gate_up.weight"] = (2, tp)
@@ -137,6 +135,8 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
         if hasattr(block, "head_dim"):
             if block.num_heads % tp:
                 raise ValueError(f"tp={tp} must divide the heads ({block.num_heads})")
+            for layer in (block.qkv, block.out):
+                unwrap_mx_weights(layer)
             with torch.no_grad():
                 block.qkv.weight.copy_(_interleave_rows(block.qkv.weight, 3, tp))
             reordered[f"blocks.{i}.qkv.weight"] = (3, tp)

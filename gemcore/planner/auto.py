@@ -35,8 +35,7 @@ def best_applicable_plan(config, world_size: int, local_world_size: int) -> Plan
     cluster = make_cluster(local_gpu_kind(), world_size, local_world_size)
     spec = spec_from_config(config)
     result = search(spec, cluster, seq_len=config.data.max_len, global_batch=config.data.batch_size,
-                    top=1, allow=lambda p: not check_supported(p, num_blocks=config.model.num_blocks)
-                    and not (p.tp > 1 and config.precision.impl == "mxfp8"))  # MX layers lack TP yet
+                    top=1, allow=lambda p: not check_supported(p, num_blocks=config.model.num_blocks))
     if not result.plans:
         raise ValueError(f"parallelism.impl = 'auto': no applicable plan for {world_size} ranks "
                          f"({'; '.join(f'{k}: {v}' for k, v in result.rejected.items())})")

@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=32)
     ap.add_argument("--blocks", type=int, default=2)
     ap.add_argument("--max-len", type=int, default=24, help="longest history")
+    ap.add_argument("--mx", action="store_true", help="precision mxfp8: the linear layers in MX (the "
+                    "precision plugin's policy, applied before the plan as gem train does)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="cpu: fp32, reference attention (any number of gloo ranks); cuda: one process, "
                          "bf16 weights, Triton attention")
@@ -60,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     backend = "triton" if args.device == "cuda" else "reference"
     model = GemModel(cfg, make_attention(AttentionConfig(), backend=backend)).to(dtype=dtype)
+    if args.mx:
+        from gemcore.config import PrecisionConfig
+        from gemcore.plugins.precision_mx import make_policy
+
+        model = make_policy(PrecisionConfig(impl="mxfp8")).apply(model)
     model = par.apply(model, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = make_synthetic(num_users=args.batch * args.steps, num_items=cfg.num_items,
