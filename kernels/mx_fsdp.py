@@ -176,6 +176,7 @@ class MXShardedWeight(torch.Tensor):
             return full, ()
         data_u8, scale = all_gather_outputs
         if out is not None:
+            out = getattr(out, "_local_tensor", out)      # under tensor parallelism: the DTensor's local
             if not (isinstance(out, MXGatheredWeight)
                     and out.mx.data.untyped_storage().data_ptr() == data_u8.untyped_storage().data_ptr()):
                 raise RuntimeError("fsdp_post_all_gather: out does not view this all-gather's output")
@@ -271,7 +272,8 @@ def plain_master(value: torch.Tensor) -> torch.Tensor:
 def wrap_mx_weights(model: nn.Module) -> list[str]:
     """Wrap the plain weight of every :class:`MXLinear` in ``model`` in an MXShardedWeight (same
     values, same storage), in place; call before ``fully_shard`` and before building the
-    optimizer. Weights that are DTensors (tensor parallelism) or not 2-D stay as they are.
+    optimizer. A tensor-parallel weight (a 2-D DTensor on a 1-D mesh) gets its local shard
+    wrapped inside the DTensor; other DTensors and weights that are not 2-D stay as they are.
     Returns the names of the layers whose weights are wrapped (now or before)."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -280,14 +282,22 @@ def wrap_mx_weights(model: nn.Module) -> list[str]:
         if not isinstance(module, MXLinear):
             continue
         weight = module.weight
-        if isinstance(weight, MXShardedWeight):
+        if isinstance(weight, MXShardedWeight) or isinstance(getattr(weight, "_local_tensor", None), MXShardedWeight):
             done.append(name)
             continue
-        if type(weight) is not nn.Parameter or weight.dim() != 2:
+        tp_split = _is_tp_dtensor(weight)
+        if not tp_split and (type(weight) is not nn.Parameter or weight.dim() != 2):
             continue
         if id(weight) not in new_params:  # tied weights stay tied
             c = module.mx_config
-            wrapped = MXShardedWeight(weight.data, c.elem, c.scale_rule, c.cast_backend)
+            if tp_split:    # a tensor-parallel shard: its local rows are what FSDP2 shards further
+                from torch.distributed.tensor import DTensor
+
+                local = MXShardedWeight(weight.to_local().detach(), c.elem, c.scale_rule, c.cast_backend)
+                wrapped = DTensor.from_local(local, weight.device_mesh, weight.placements, run_check=False,
+                                             shape=weight.shape, stride=weight.stride())
+            else:
+                wrapped = MXShardedWeight(weight.data, c.elem, c.scale_rule, c.cast_backend)
             new_params[id(weight)] = nn.Parameter(wrapped, requires_grad=weight.requires_grad)
         module.weight = new_params[id(weight)]
         if not getattr(module, "_mx_plain_state_dict", False):
@@ -295,6 +305,15 @@ def wrap_mx_weights(model: nn.Module) -> list[str]:
             module._mx_plain_state_dict = True
         done.append(name)
     return done
+
+
+def _is_tp_dtensor(weight) -> bool:
+    """A 2-D DTensor parameter on a 1-D mesh (tensor parallelism), not yet wrapped."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(weight, DTensor) and weight.dim() == 2 and weight.device_mesh.ndim == 1
 
 
 def unwrap_mx_weights(model: nn.Module) -> list[str]:

@@ -23,7 +23,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(nproc: int, degrees: str, *extra: str) -> list[float]:
+def _torchrun(nproc: int, degrees: str, *extra: str, report: dict | None = None) -> list[float]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-port", str(_free_port()), "-m", "gemcore.planner.smoke", "--degrees", degrees,
@@ -32,6 +32,8 @@ def _torchrun(nproc: int, degrees: str, *extra: str) -> list[float]:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1]
     out = json.loads(line)
+    if report is not None:
+        report.update(out)
     return out["losses"] + out["grad_norms"]
 
 
@@ -56,10 +58,6 @@ def _reference(capsys, *extra: str) -> list[float]:
     (2, "cp=2,ac=full", ("--batch", "1", "--max-len", "40")),
     (4, "dp_shard=2,cp=2,ac=selective", ("--experts", "4")),
     (4, "cp=2,tp=2", ()),
-    # precision mxfp8: MX layers on tensor-parallel shards (hidden 64: every split on 32-element
-    # MX block borders, so each rank's blocks are the unsplit layer's), alone and under FSDP2
-    (2, "tp=2", ("--mx", "--hidden", "64")),
-    (4, "dp_shard=2,tp=2", ("--mx", "--hidden", "64")),
 ])
 def test_plan_losses_match_single_process(capsys, nproc, degrees, extra):
     expected = _reference(capsys, *extra)
@@ -79,6 +77,19 @@ def test_unapplied_dimensions_are_named():
     assert check_supported(Plan(dp_shard=4, ep=2)) == []                      # experts FSDP over 2
     assert check_supported(Plan(dp_replicate=2, dp_shard=2, ep=2)) == []
     assert check_supported(Plan(pp=2, dp_shard=4, ep=2)) == []                # expert FSDP in stages
+
+
+@pytest.mark.parametrize("nproc, degrees, mx_gathered", [(2, "tp=2", False), (4, "dp_shard=2,tp=2", True)])
+def test_mxfp8_under_tensor_parallelism_matches_single_process(capsys, nproc, degrees, mx_gathered):
+    """precision mxfp8: MX layers on tensor-parallel shards (hidden 64: every split on 32-element MX
+    block borders, so each rank's blocks are the unsplit layer's), alone and under FSDP2, where the
+    split weights' local shards are all-gathered in MX (cast from the master shards)."""
+    extra = ("--mx", "--hidden", "64")
+    expected = _reference(capsys, *extra)
+    report = {}
+    got = _torchrun(nproc, degrees, *extra, report=report)
+    assert got == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert (report["mx_gathered"] > 0) == mx_gathered, report
 
 
 def test_plugin_registers_its_names():

@@ -117,8 +117,11 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
     tp = tp_mesh.size()
     if tp == 1:
         return model
-    from gemcore.kernels.mx_fsdp import unwrap_mx_weights
+    from gemcore.kernels.mx_fsdp import MXShardedWeight, unwrap_mx_weights, wrap_mx_weights
 
+    # MX layers whose weights the precision policy wrapped for an MX all-gather under FSDP2: they
+    # are split as plain tensors, then their local shards wrapped again
+    mx_gathered = any(isinstance(p, MXShardedWeight) for p in model.parameters())
     done, reordered = [], {}
     for i, block in enumerate(model.blocks):
         named = ([(f"blocks.{i}.mlp.experts.{j}", e) for j, e in enumerate(block.mlp.experts)]
@@ -131,6 +134,8 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
                 mlp.gate_up.weight.copy_(_interleave_rows(mlp.gate_up.weight, 2, tp))
             reordered[f"{name}.gate_up.weight"] = (2, tp)
             parallelize_module(mlp, tp_mesh, {"gate_up": ColwiseParallel(), "down": RowwiseParallel()})
+            if mx_gathered:
+                wrap_mx_weights(mlp)
         done.append(f"blocks.{i}.mlp")
         if hasattr(block, "head_dim"):
             if block.num_heads % tp:
@@ -141,6 +146,9 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
                 block.qkv.weight.copy_(_interleave_rows(block.qkv.weight, 3, tp))
             reordered[f"blocks.{i}.qkv.weight"] = (3, tp)
             parallelize_module(block, tp_mesh, {"qkv": ColwiseParallel(), "out": RowwiseParallel()})
+            if mx_gathered:
+                wrap_mx_weights(block.qkv)
+                wrap_mx_weights(block.out)
             block.num_heads //= tp
             done.append(f"blocks.{i}.attention")
     setattr(model, TP_ROWS_ATTR, reordered)

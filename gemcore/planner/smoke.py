@@ -111,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         if norm is not None:
             grad_norms.append(norm)
     out = {"plan": par.describe(), "losses": losses, "grad_norms": grad_norms}
+    if args.mx:
+        from gemcore.kernels.mx_fsdp import MXShardedWeight
+
+        weights = [getattr(p, "_local_tensor", p) for p in model.parameters()]
+        # MX layers whose weight FSDP2 all-gathered in MX (cast from the master shard this run)
+        out["mx_gathered"] = sum(isinstance(w, MXShardedWeight) and w.casts > 0 for w in weights)
     if args.predict:
         moments = []                              # E[L], E[L²] of each rank's share of each step
         for step in range(args.steps):
