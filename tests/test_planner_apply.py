@@ -107,3 +107,32 @@ def test_smoke_refuses_cuda_without_a_gpu(capsys):
         smoke_main(["--device", "cuda", "--steps", "1"])
     assert exc.value.code == 2
     assert "--device cuda" in capsys.readouterr().err
+
+
+def test_clip_grad_norm_groups_dtensor_gradients_and_refuses_partial_sums(one_rank_group):
+    """The squared norms of DTensor gradients are reduced per (mesh, placements) group: on a
+    one-rank mesh the clipped gradients and the norm equal torch's; a gradient still holding
+    partial sums is refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+
+    from gemcore.planner.apply import clip_grad_norm_
+
+    mesh = init_device_mesh("cpu", (1,))
+    torch.manual_seed(0)
+    grads = [torch.randn(6, 4), torch.randn(5), torch.randn(3, 3)]
+    plain = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    split = [torch.nn.Parameter(distribute_tensor(torch.zeros_like(g), mesh, [pl]))
+             for g, pl in zip(grads, [Shard(0), Replicate(), Shard(1)])]
+    for p, q, g in zip(plain, split, grads):
+        p.grad = g.clone()
+        q.grad = distribute_tensor(g.clone(), mesh, q.placements)
+    want = torch.nn.utils.clip_grad_norm_(plain, 0.5)
+    got = clip_grad_norm_(split, 0.5)
+    torch.testing.assert_close(got, want)
+    for p, q in zip(plain, split):
+        torch.testing.assert_close(q.grad.full_tensor(), p.grad)
+    q = split[0]
+    q.grad = torch.distributed.tensor.DTensor.from_local(torch.ones(6, 4), mesh, [Partial()])
+    with pytest.raises(ValueError, match="partial sums"):
+        clip_grad_norm_([q], 0.5)

@@ -235,44 +235,67 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for models whose parameters mix plain tensors and
     DTensors on different meshes (TP-sharded MLPs beside replicated norms, FSDP over both).
 
-    Each gradient's 2-norm is reduced over its own mesh (``full_tensor`` of the DTensor norm), the
-    total is the 2-norm of those, and every gradient is scaled by min(1, max_norm / total).
-    One small collective per DTensor gradient: fine for gemcore's block counts. Expert-parallel
-    parameters (``EP_GROUP_ATTR``) hold different experts on each rank: their squared norms are
-    summed over their group. ``pp_group``: pipeline stages hold different parameters, so the
-    squared total is summed over it (every rank gets the whole model's norm).
+    Each gradient's squared 2-norm is reduced over its own mesh (:func:`_squared_norms`: one
+    reduction per mesh and placement, not per gradient), the total is the square root of their
+    sum, and every gradient is scaled by min(1, max_norm / total). Expert-parallel parameters
+    (``EP_GROUP_ATTR``) hold different experts on each rank: their squared norms are summed over
+    their group. ``pp_group``: pipeline stages hold different parameters, so the squared total is
+    summed over it (every rank gets the whole model's norm).
     """
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
 
     from gemcore.planner.expert_parallel import EP_GROUP_ATTR
 
     params = [p for p in parameters if p.grad is not None]
     if not params and pp_group is None:
         return torch.zeros(())
-    norms, spread = [], {}
-    for p in params:
-        n = torch.linalg.vector_norm(p.grad)
-        n = n.full_tensor() if isinstance(n, DTensor) else n   # over the parameter's own mesh
+    squares = _squared_norms([p.grad for p in params])
+    local, spread = [], {}
+    for p, sq in zip(params, squares):
         group = getattr(p, EP_GROUP_ATTR, None)
         if group is not None:   # different experts on each rank of the group
-            spread.setdefault(group, []).append(n.float() ** 2)
+            spread.setdefault(group, []).append(sq)
         else:
-            norms.append(n)
-    for group, squares in spread.items():
-        total_sq = torch.stack(squares).sum()
+            local.append(sq)
+    for group, group_squares in spread.items():
+        total_sq = torch.stack(group_squares).sum()
         dist.all_reduce(total_sq, group=group)
-        norms.append(total_sq.sqrt())
-    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms])) if norms else torch.zeros(())
+        local.append(total_sq)
+    total_sq = torch.stack(local).sum() if local else torch.zeros(())
     if pp_group is not None:
-        total_sq = total.reshape(()) ** 2
+        total_sq = total_sq.reshape(()).clone()
         dist.all_reduce(total_sq, group=pp_group)
-        total = total_sq.sqrt()
-    grads = [p.grad for p in params]
+    total = total_sq.sqrt()
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(scale.to(g.dtype))
+    for p in params:
+        p.grad.mul_(scale.to(p.grad.dtype))
     return total
+
+
+def _squared_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each gradient's squared 2-norm (float32 scalar) over its whole mesh. DTensor gradients are
+    grouped by mesh and placements: each group stacks its local sums of squares and reduces them
+    in one go (a sum over the mesh dimensions they are sharded on), instead of one collective per
+    gradient."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    out: list[torch.Tensor | None] = [None] * len(grads)
+    groups: dict[tuple, list[int]] = {}
+    for i, g in enumerate(grads):
+        if isinstance(g, DTensor):
+            groups.setdefault((g.device_mesh, tuple(g.placements)), []).append(i)
+        else:
+            out[i] = g.detach().float().square().sum()
+    for (mesh, placements), members in groups.items():
+        local = torch.stack([grads[i].to_local().detach().float().square().sum() for i in members])
+        if any(pl.is_partial() for pl in placements):
+            raise ValueError(f"clip_grad_norm_: a gradient with pending partial sums ({placements})")
+        # a sharded mesh dimension (Shard, or FSDP-over-TP's _StridedShard) sums the squares
+        summed = [Replicate() if pl.is_replicate() else Partial() for pl in placements]
+        total = DTensor.from_local(local, mesh, summed, run_check=False).full_tensor()
+        for j, i in enumerate(members):
+            out[i] = total[j]
+    return out
 
 
 def fsdp_mesh(mesh, plan: Plan):
