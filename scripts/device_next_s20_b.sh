@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepared at the end of session 19 for the next session's second GPU call: the official rows
+# Prepared at the end of session 19 for the next session's third GPU call: the official rows
 # on the work-list kernels (none has run yet), all anchor workloads, and the Triton attention
 # tests on the GPU (the list kernel's tests run there too).
 set -u

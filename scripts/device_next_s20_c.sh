@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepared at the end of session 19 for the next session's third GPU call: the three-field work
+# Prepared at the end of session 19 for the next session's fourth GPU call: the three-field work
 # list (GEMCORE_GLUON_RICH_LIST=1: each list entry carries its sequence's start and length, so an
 # item costs one dependent load less; written and compiled only). The work lists cost dense95's
 # forward 2.5 % in session 19 (427.8 -> 417.1 TFLOP/s) while gaining 19-31 % on heavytail; the
