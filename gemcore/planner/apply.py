@@ -117,40 +117,33 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
     tp = tp_mesh.size()
     if tp == 1:
         return model
-    from gemcore.kernels.mx_fsdp import MXShardedWeight, unwrap_mx_weights, wrap_mx_weights
+    from gemcore.kernels.mx_fsdp import unwrap_mx_weights, wrap_mx_weights
 
-    # MX layers whose weights the precision policy wrapped for an MX all-gather under FSDP2: they
-    # are split as plain tensors, then their local shards wrapped again
-    mx_gathered = any(isinstance(p, MXShardedWeight) for p in model.parameters())
+    # MX layers (precision mxfp8) run on their local shards (MXLinear's tensor-parallel forward).
+    # Weights the precision policy wrapped for an MX all-gather under FSDP2 are split as plain
+    # tensors, then wrapped again (each split one's local shard) at the end
+    mx_gathered = unwrap_mx_weights(model)
     done, reordered = [], {}
     for i, block in enumerate(model.blocks):
         named = ([(f"blocks.{i}.mlp.experts.{j}", e) for j, e in enumerate(block.mlp.experts)]
                  if hasattr(block.mlp, "experts") else [(f"blocks.{i}.mlp", block.mlp)])
         for name, mlp in named:
-            # MX layers (precision mxfp8) run on their local shards (MXLinear's tensor-parallel
-            # forward); their weights are all-gathered by FSDP2 as plain DTensor shards, not in MX
-            unwrap_mx_weights(mlp)
             with torch.no_grad():
                 mlp.gate_up.weight.copy_(_interleave_rows(mlp.gate_up.weight, 2, tp))
             reordered[f"{name}.gate_up.weight"] = (2, tp)
             parallelize_module(mlp, tp_mesh, {"gate_up": ColwiseParallel(), "down": RowwiseParallel()})
-            if mx_gathered:
-                wrap_mx_weights(mlp)
         done.append(f"blocks.{i}.mlp")
         if hasattr(block, "head_dim"):
             if block.num_heads % tp:
                 raise ValueError(f"tp={tp} must divide the heads ({block.num_heads})")
-            for layer in (block.qkv, block.out):
-                unwrap_mx_weights(layer)
             with torch.no_grad():
                 block.qkv.weight.copy_(_interleave_rows(block.qkv.weight, 3, tp))
             reordered[f"blocks.{i}.qkv.weight"] = (3, tp)
             parallelize_module(block, tp_mesh, {"qkv": ColwiseParallel(), "out": RowwiseParallel()})
-            if mx_gathered:
-                wrap_mx_weights(block.qkv)
-                wrap_mx_weights(block.out)
             block.num_heads //= tp
             done.append(f"blocks.{i}.attention")
+    if mx_gathered:
+        wrap_mx_weights(model)
     setattr(model, TP_ROWS_ATTR, reordered)
     log.info("tp=%d on %s", tp, ", ".join(done))
     return model
@@ -287,9 +280,9 @@ def _squared_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
         else:
             out[i] = g.detach().float().square().sum()
     for (mesh, placements), members in groups.items():
-        local = torch.stack([grads[i].to_local().detach().float().square().sum() for i in members])
         if any(pl.is_partial() for pl in placements):
             raise ValueError(f"clip_grad_norm_: a gradient with pending partial sums ({placements})")
+        local = torch.stack([grads[i].to_local().detach().float().square().sum() for i in members])
         # a sharded mesh dimension (Shard, or FSDP-over-TP's _StridedShard) sums the squares
         summed = [Replicate() if pl.is_replicate() else Partial() for pl in placements]
         total = DTensor.from_local(local, mesh, summed, run_check=False).full_tensor()
