@@ -32,7 +32,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from gemcore.kernels.jagged_attention_triton_common import ACTIVATION_CODES
-from gemcore.kernels.jagged_work_list import ENTRY_FIELDS, work_list
+from gemcore.kernels.jagged_work_list import work_list
 
 # Triton 3.6 names the TMA load async_copy_global_to_shared; later versions async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -43,7 +43,6 @@ BLOCK_M = 128                    #: query rows per CTA: two consumer warpgroups 
 #: 64 x 4 on dense95), the pointwise activations 64 x 4 (412 against 403 for 128 x 3)
 TILES = {"softmax": (128, 3), "pointwise": (64, 4)}
 _BLOCK_M = gl.constexpr(BLOCK_M)
-_ENTRY_FIELDS = gl.constexpr(ENTRY_FIELDS)
 _CONSUMER_REGS, _PRODUCER_REGS = gl.constexpr(240), gl.constexpr(24)
 #: per-thread register cap of the whole kernel: two consumer warpgroups and the producer's share
 #: the SM's 64 Ki registers; the default partition gets what the workers leave
@@ -200,33 +199,28 @@ def _dealt(r):
 
 
 @gluon.jit
-def _listed(work, w, H, n_seq, offsets, num_targets, HAS_TARGETS: gl.constexpr):
+def _listed(work, w, H, n_seq, num_targets, HAS_TARGETS: gl.constexpr):
     """Work index w -> (t, b, h, start, seq_len, history): entry w // H of the list
-    (:mod:`jagged_work_list`: t·B + b, tile t of sequence b, B = n_seq; with three fields per
-    entry also b's start and length, else read from the offsets), head w % H."""
+    (:mod:`jagged_work_list`: (t·B + b, b's start, b's length), tile t of sequence b, B = n_seq),
+    head w % H."""
     entry = w // H
-    if _ENTRY_FIELDS == 3:
-        pair = gl.load(work + 3 * entry)
-        start = gl.load(work + 3 * entry + 1)
-        seq_len = gl.load(work + 3 * entry + 2)
-        b = pair % n_seq
-        history = seq_len
-        if HAS_TARGETS:
-            history = seq_len - gl.load(num_targets + b).to(gl.int32)
-    else:
-        pair = gl.load(work + entry)
-        b = pair % n_seq
-        start, seq_len, history = _sequence(offsets, num_targets, b, HAS_TARGETS)
+    pair = gl.load(work + 3 * entry)
+    start = gl.load(work + 3 * entry + 1)
+    seq_len = gl.load(work + 3 * entry + 2)
+    b = pair % n_seq
+    history = seq_len
+    if HAS_TARGETS:
+        history = seq_len - gl.load(num_targets + b).to(gl.int32)
     return pair // n_seq, b, w % H, start, seq_len, history
 
 
 @gluon.jit
-def _work_item(w, work, n_seq, offsets, kv_offsets, num_targets, H, CAUSAL: gl.constexpr,
+def _work_item(w, work, n_seq, kv_offsets, num_targets, H, CAUSAL: gl.constexpr,
                HAS_TARGETS: gl.constexpr, CROSS: gl.constexpr, BLOCK_N: gl.constexpr):
     """Work index w of the list (:func:`_listed`) -> (h, m0, start, seq_len, kv_start, kv_len,
     history, n_full, n_tiles): query rows [m0, m0 + 128) of head h against the key rows
     [kv_start, kv_start + kv_len) (its own sequence's, or with CROSS the kv sequence's)."""
-    t, b, h, start, seq_len, history = _listed(work, w, H, n_seq, offsets, num_targets, HAS_TARGETS)
+    t, b, h, start, seq_len, history = _listed(work, w, H, n_seq, num_targets, HAS_TARGETS)
     m0 = t * _BLOCK_M
     kv_start = start
     kv_len = seq_len
@@ -353,7 +347,7 @@ def _attend(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v
 
 @gluon.jit
 def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, O, LSE2,
-              offsets, kv_offsets, num_targets, stride_t, H, work, n_listed, n_seq, qk_scale, inv_norm,
+              kv_offsets, num_targets, stride_t, H, work, n_listed, n_seq, qk_scale, inv_norm,
               ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr, CROSS: gl.constexpr):
     """One warpgroup: its 64 query rows of every work item of this CTA (:func:`_attend`)."""
     BLOCK_N: gl.constexpr = k_ring.type.shape[1]
@@ -364,7 +358,7 @@ def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready,
         w = _dealt(r)
         if w < n_work:
             h, m0, start, seq_len, kv_start, kv_len, history, n_full, n_tiles = _work_item(
-                w, work, n_seq, offsets, kv_offsets, num_targets, H, CAUSAL, HAS_TARGETS, CROSS, BLOCK_N)
+                w, work, n_seq, kv_offsets, num_targets, H, CAUSAL, HAS_TARGETS, CROSS, BLOCK_N)
             has_keys = True
             if CROSS:                              # (self-attention: every row sees a key)
                 if n_tiles == 0:                   # an empty kv sequence
@@ -381,18 +375,18 @@ def _consumer(wg: gl.constexpr, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready,
 
 @gluon.jit
 def _second_consumer(q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, q_desc, k_desc, v_desc,
-                     O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, work, n_listed, n_seq, qk_scale, inv_norm,
+                     O, LSE2, kv_offsets, num_targets, stride_t, H, work, n_listed, n_seq, qk_scale, inv_norm,
                      ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr,
                      CROSS: gl.constexpr):
     """Worker partition: the consumer of query rows 64..127 (workers share one signature)."""
-    _consumer(1, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, O, LSE2, offsets, kv_offsets,
+    _consumer(1, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, O, LSE2, kv_offsets,
               num_targets, stride_t, H, work, n_listed, n_seq, qk_scale, inv_norm, ACTIVATION, CAUSAL, HAS_TARGETS,
               CROSS)
 
 
 @gluon.jit
 def _producer(q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, q_desc, k_desc, v_desc,
-              O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, work, n_listed, n_seq, qk_scale, inv_norm,
+              O, LSE2, kv_offsets, num_targets, stride_t, H, work, n_listed, n_seq, qk_scale, inv_norm,
               ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr, CROSS: gl.constexpr):
     """Worker partition, one warp: for each work item that meets keys, both query halves (once
     the consumers are done with the last ones), then its key/value tiles."""
@@ -405,7 +399,7 @@ def _producer(q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty
         w = _dealt(r)
         if w < n_work:
             h, m0, start, seq_len, kv_start, kv_len, history, n_full, n_tiles = _work_item(
-                w, work, n_seq, offsets, kv_offsets, num_targets, H, CAUSAL, HAS_TARGETS, CROSS, BLOCK_N)
+                w, work, n_seq, kv_offsets, num_targets, H, CAUSAL, HAS_TARGETS, CROSS, BLOCK_N)
             if n_tiles > 0:                        # (only cross attention's empty kv sequences have none)
                 col = h * D
                 mbarrier.wait(q_empty, (item & 1) ^ 1)     # fresh barrier: passes
@@ -419,7 +413,7 @@ def _producer(q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty
 
 
 @gluon.jit
-def _jagged_attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, work,
+def _jagged_attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE2, kv_offsets, num_targets, stride_t, H, work,
                             n_listed, n_seq, qk_scale, inv_norm, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
                             CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr, CROSS: gl.constexpr,
                             PERSISTENT: gl.constexpr):
@@ -428,7 +422,7 @@ def _jagged_attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE2, offsets, kv_offsets
     Persistent: P is the SM count and a consumer's epilogue overlaps the next item's loads; else
     P covers every possible item and a CTA past the list returns at once.
     Descriptors over the (T, H·D) views, blocks (64, D) for q and (BLOCK_N, D) for k and v;
-    O (T, H, D) contiguous; LSE2 (T, H) float32, softmax only; offsets (B+1,) of q's sequences;
+    O (T, H, D) contiguous; LSE2 (T, H) float32, softmax only; q's sequences come from the list;
     kv_offsets (B+1,) of k's and v's, read only when CROSS (not causal); num_targets (B,) int64,
     read only when HAS_TARGETS (causal)."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -439,12 +433,12 @@ def _jagged_attn_fwd_hopper(q_desc, k_desc, v_desc, O, LSE2, offsets, kv_offsets
     else:
         active = gl.program_id(0) < gl.load(n_listed) * H
     if active:
-        _launch_partitions(q_desc, k_desc, v_desc, O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, work,
+        _launch_partitions(q_desc, k_desc, v_desc, O, LSE2, kv_offsets, num_targets, stride_t, H, work,
                            n_listed, n_seq, qk_scale, inv_norm, STAGES, ACTIVATION, CAUSAL, HAS_TARGETS, CROSS)
 
 
 @gluon.jit
-def _launch_partitions(q_desc, k_desc, v_desc, O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, work, n_listed,
+def _launch_partitions(q_desc, k_desc, v_desc, O, LSE2, kv_offsets, num_targets, stride_t, H, work, n_listed,
                        n_seq, qk_scale, inv_norm, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
                        CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr, CROSS: gl.constexpr):
     """Shared memory, barriers and the three partitions of :func:`_jagged_attn_fwd_hopper`."""
@@ -458,14 +452,14 @@ def _launch_partitions(q_desc, k_desc, v_desc, O, LSE2, offsets, kv_offsets, num
     k_ready, v_ready, kv_empty = _ring_barriers(STAGES)
     # the argument tuples are written out: a tuple bound to a name first loses its constexprs
     gl.warp_specialize([
-        (_consumer, (0, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, O, LSE2, offsets,
+        (_consumer, (0, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, O, LSE2,
                      kv_offsets, num_targets, stride_t, H, work, n_listed, n_seq, qk_scale, inv_norm, ACTIVATION,
                      CAUSAL, HAS_TARGETS, CROSS)),
         (_second_consumer, (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, q_desc, k_desc,
-                            v_desc, O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, work, n_listed, n_seq,
+                            v_desc, O, LSE2, kv_offsets, num_targets, stride_t, H, work, n_listed, n_seq,
                             qk_scale, inv_norm, ACTIVATION, CAUSAL, HAS_TARGETS, CROSS)),
         (_producer, (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, kv_empty, q_desc, k_desc, v_desc,
-                     O, LSE2, offsets, kv_offsets, num_targets, stride_t, H, work, n_listed, n_seq, qk_scale, inv_norm,
+                     O, LSE2, kv_offsets, num_targets, stride_t, H, work, n_listed, n_seq, qk_scale, inv_norm,
                      ACTIVATION, CAUSAL, HAS_TARGETS, CROSS)),
     ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
@@ -570,7 +564,7 @@ def jagged_attention_fwd_hopper(q, k, v, offsets, activation: str, causal: bool,
     n_items = B * H * n_levels                     # at most
     ctas = min(n_items, sm_count(q.device)) if persistent else n_items
     _jagged_attn_fwd_hopper[(ctas,)](
-        *_descriptors(q, k, v, block_n), out, lse2, offsets, offsets if kv_offsets is None else kv_offsets,
+        *_descriptors(q, k, v, block_n), out, lse2, offsets if kv_offsets is None else kv_offsets,
         offsets if num_targets is None else num_targets, out.stride(0), H, work, n_listed, B, qk_scale, inv_norm,
         STAGES=stages, ACTIVATION=ACTIVATION_CODES[activation], CAUSAL=bool(causal),
         HAS_TARGETS=num_targets is not None, CROSS=kv_offsets is not None, PERSISTENT=persistent,

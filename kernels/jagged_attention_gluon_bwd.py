@@ -189,7 +189,7 @@ def _dq_item(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_fre
 
 @gluon.jit
 def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty,
-                 DQ, O, LSE2, DELTA, offsets, num_targets, H, work, n_listed, n_seq, stride_t, stride_o, scale,
+                 DQ, O, LSE2, DELTA, num_targets, H, work, n_listed, n_seq, stride_t, stride_o, scale,
                  qk_scale, inv_norm, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
     """One warpgroup: its 64 query rows of every work item of this CTA (:func:`_dq_item`)."""
     base = 0
@@ -199,7 +199,7 @@ def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo
         w = _dealt(r)
         if w < n_work:
             h, m0, start, seq_len, _, _, history, n_full, n_tiles = _work_item(
-                w, work, n_seq, offsets, offsets, num_targets, H, CAUSAL, HAS_TARGETS, False, k_ring.type.shape[1])
+                w, work, n_seq, None, num_targets, H, CAUSAL, HAS_TARGETS, False, k_ring.type.shape[1])
             _dq_item(wg, q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty, DQ, O,
                      LSE2, DELTA, start, seq_len, history, m0, h, H, stride_t, stride_o, scale, qk_scale,
                      inv_norm, n_full, n_tiles, base, item, ACTIVATION, CAUSAL, HAS_TARGETS)
@@ -209,18 +209,18 @@ def _dq_consumer(wg: gl.constexpr, q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo
 
 @gluon.jit
 def _dq_second_consumer(q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty, q_desc,
-                        do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, offsets, num_targets, H, work, n_listed, n_seq,
+                        do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, num_targets, H, work, n_listed, n_seq,
                         stride_t, stride_o, scale, qk_scale, inv_norm, ACTIVATION: gl.constexpr,
                         CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
     """Worker partition: the consumer of query rows 64..127 (workers share one signature)."""
     _dq_consumer(1, q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty, DQ, O, LSE2,
-                 DELTA, offsets, num_targets, H, work, n_listed, n_seq, stride_t, stride_o, scale, qk_scale, inv_norm,
+                 DELTA, num_targets, H, work, n_listed, n_seq, stride_t, stride_o, scale, qk_scale, inv_norm,
                  ACTIVATION, CAUSAL, HAS_TARGETS)
 
 
 @gluon.jit
 def _dq_producer(q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty, q_desc, do_desc,
-                 k_desc, v_desc, DQ, O, LSE2, DELTA, offsets, num_targets, H, work, n_listed, n_seq, stride_t,
+                 k_desc, v_desc, DQ, O, LSE2, DELTA, num_targets, H, work, n_listed, n_seq, stride_t,
                  stride_o, scale, qk_scale, inv_norm, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
                  HAS_TARGETS: gl.constexpr):
     """Worker partition, one warp: per work item, both halves of Q and dO (once the consumers
@@ -232,7 +232,7 @@ def _dq_producer(q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_
         w = _dealt(r)
         if w < n_work:
             h, m0, start, seq_len, _, _, history, n_full, n_tiles = _work_item(
-                w, work, n_seq, offsets, offsets, num_targets, H, CAUSAL, HAS_TARGETS, False, k_ring.type.shape[1])
+                w, work, n_seq, None, num_targets, H, CAUSAL, HAS_TARGETS, False, k_ring.type.shape[1])
             col = h * k_ring.type.shape[2]
             mbarrier.wait(qdo_free, (item & 1) ^ 1)      # fresh barrier: passes
             _load_halves(q_desc, do_desc, q_smem, do_smem, qdo_bar, start + m0, col)
@@ -242,7 +242,7 @@ def _dq_producer(q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_
 
 
 @gluon.jit
-def _jagged_attn_bwd_dq_hopper(q_desc, do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, offsets, num_targets,
+def _jagged_attn_bwd_dq_hopper(q_desc, do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, num_targets,
                                stride_t, stride_o, H, work, n_listed, n_seq, scale, qk_scale, inv_norm,
                                STAGES: gl.constexpr, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
                                HAS_TARGETS: gl.constexpr, PERSISTENT: gl.constexpr):
@@ -255,12 +255,12 @@ def _jagged_attn_bwd_dq_hopper(q_desc, do_desc, k_desc, v_desc, DQ, O, LSE2, DEL
     else:
         active = gl.program_id(0) < gl.load(n_listed) * H
     if active:
-        _dq_partitions(q_desc, do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, offsets, num_targets, stride_t, stride_o,
+        _dq_partitions(q_desc, do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, num_targets, stride_t, stride_o,
                        H, work, n_listed, n_seq, scale, qk_scale, inv_norm, STAGES, ACTIVATION, CAUSAL, HAS_TARGETS)
 
 
 @gluon.jit
-def _dq_partitions(q_desc, do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, offsets, num_targets, stride_t, stride_o,
+def _dq_partitions(q_desc, do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, num_targets, stride_t, stride_o,
                    H, work, n_listed, n_seq, scale, qk_scale, inv_norm, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
                    CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
     """Shared memory, barriers and the three partitions of :func:`_jagged_attn_bwd_dq_hopper`."""
@@ -269,14 +269,14 @@ def _dq_partitions(q_desc, do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, offsets,
     # the argument tuples are written out: a tuple bound to a name first loses its constexprs
     gl.warp_specialize([
         (_dq_consumer, (0, q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty, DQ, O,
-                        LSE2, DELTA, offsets, num_targets, H, work, n_listed, n_seq, stride_t, stride_o, scale,
+                        LSE2, DELTA, num_targets, H, work, n_listed, n_seq, stride_t, stride_o, scale,
                         qk_scale, inv_norm, ACTIVATION, CAUSAL, HAS_TARGETS)),
         (_dq_second_consumer, (q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty,
-                               q_desc, do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, offsets, num_targets, H,
+                               q_desc, do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, num_targets, H,
                                work, n_listed, n_seq, stride_t, stride_o, scale, qk_scale, inv_norm, ACTIVATION,
                                CAUSAL, HAS_TARGETS)),
         (_dq_producer, (q_smem, do_smem, k_ring, v_ring, qdo_bar, qdo_free, k_ready, v_ready, empty, q_desc,
-                        do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, offsets, num_targets, H, work, n_listed, n_seq,
+                        do_desc, k_desc, v_desc, DQ, O, LSE2, DELTA, num_targets, H, work, n_listed, n_seq,
                         stride_t, stride_o, scale, qk_scale, inv_norm, ACTIVATION, CAUSAL, HAS_TARGETS)),
     ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
@@ -374,12 +374,12 @@ def _dkdv_item(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_bar, kv_fre
 
 
 @gluon.jit
-def _dkdv_item_bounds(w, work, n_seq, offsets, num_targets, H, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
+def _dkdv_item_bounds(w, work, n_seq, num_targets, H, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
                       HAS_TARGETS: gl.constexpr):
     """dK/dV's work index w of the list (:func:`_listed`; key tiles, those seen by the most queries
     first) -> (h, n0, start, seq_len, history, i0, n_iters): key rows [n0, n0 + 128) of head h
     against query tiles i0 .. i0 + n_iters - 1 (BLOCK_M rows each)."""
-    t, b, h, start, seq_len, history = _listed(work, w, H, n_seq, offsets, num_targets, HAS_TARGETS)
+    t, b, h, start, seq_len, history = _listed(work, w, H, n_seq, num_targets, HAS_TARGETS)
     n0 = t * _BLOCK_M
     i0 = 0
     i_end = gl.cdiv(seq_len, BLOCK_M)
@@ -393,7 +393,7 @@ def _dkdv_item_bounds(w, work, n_seq, offsets, num_targets, H, BLOCK_M: gl.const
 
 @gluon.jit
 def _dkdv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do_ready, empty,
-                   DK, DV, LSE2, DELTA, offsets, num_targets, H, work, n_listed, n_seq, stride_t, scale, qk_scale,
+                   DK, DV, LSE2, DELTA, num_targets, H, work, n_listed, n_seq, stride_t, scale, qk_scale,
                    inv_norm, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
     """One warpgroup: its 64 key rows of every work item of this CTA (:func:`_dkdv_item`)."""
     base = 0
@@ -403,7 +403,7 @@ def _dkdv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_bar, kv
         w = _dealt(r)
         if w < n_work:
             h, n0, start, seq_len, history, i0, n_iters = _dkdv_item_bounds(
-                w, work, n_seq, offsets, num_targets, H, q_ring.type.shape[1], CAUSAL, HAS_TARGETS)
+                w, work, n_seq, num_targets, H, q_ring.type.shape[1], CAUSAL, HAS_TARGETS)
             _dkdv_item(wg, k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do_ready, empty, DK, DV,
                        LSE2, DELTA, start, seq_len, history, n0, h, H, stride_t, scale, qk_scale, inv_norm, i0,
                        n_iters, base, item, ACTIVATION, CAUSAL, HAS_TARGETS)
@@ -413,18 +413,18 @@ def _dkdv_consumer(wg: gl.constexpr, k_smem, v_smem, q_ring, do_ring, kv_bar, kv
 
 @gluon.jit
 def _dkdv_second_consumer(k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do_ready, empty, k_desc,
-                          v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, offsets, num_targets, H, work, n_listed, n_seq,
+                          v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, num_targets, H, work, n_listed, n_seq,
                           stride_t, scale, qk_scale, inv_norm, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
                           HAS_TARGETS: gl.constexpr):
     """Worker partition: the consumer of key rows 64..127 (workers share one signature)."""
     _dkdv_consumer(1, k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do_ready, empty, DK, DV, LSE2,
-                   DELTA, offsets, num_targets, H, work, n_listed, n_seq, stride_t, scale, qk_scale, inv_norm,
+                   DELTA, num_targets, H, work, n_listed, n_seq, stride_t, scale, qk_scale, inv_norm,
                    ACTIVATION, CAUSAL, HAS_TARGETS)
 
 
 @gluon.jit
 def _dkdv_producer(k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do_ready, empty, k_desc, v_desc,
-                   q_desc, do_desc, DK, DV, LSE2, DELTA, offsets, num_targets, H, work, n_listed, n_seq, stride_t,
+                   q_desc, do_desc, DK, DV, LSE2, DELTA, num_targets, H, work, n_listed, n_seq, stride_t,
                    scale, qk_scale, inv_norm, ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr,
                    HAS_TARGETS: gl.constexpr):
     """Worker partition, one warp: per work item, both K/V halves (once the consumers are done
@@ -437,7 +437,7 @@ def _dkdv_producer(k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do
         w = _dealt(r)
         if w < n_work:
             h, n0, start, seq_len, history, i0, n_iters = _dkdv_item_bounds(
-                w, work, n_seq, offsets, num_targets, H, BLOCK_M, CAUSAL, HAS_TARGETS)
+                w, work, n_seq, num_targets, H, BLOCK_M, CAUSAL, HAS_TARGETS)
             col = h * k_smem.type.shape[2]
             mbarrier.wait(kv_free, (item & 1) ^ 1)       # fresh barrier: passes
             _load_halves(k_desc, v_desc, k_smem, v_smem, kv_bar, start + n0, col)
@@ -448,7 +448,7 @@ def _dkdv_producer(k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do
 
 
 @gluon.jit
-def _jagged_attn_bwd_dkdv_hopper(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, offsets, num_targets,
+def _jagged_attn_bwd_dkdv_hopper(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, num_targets,
                                  stride_t, H, work, n_listed, n_seq, scale, qk_scale, inv_norm, STAGES: gl.constexpr,
                                  ACTIVATION: gl.constexpr, CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr,
                                  PERSISTENT: gl.constexpr):
@@ -461,12 +461,12 @@ def _jagged_attn_bwd_dkdv_hopper(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE2, 
     else:
         active = gl.program_id(0) < gl.load(n_listed) * H
     if active:
-        _dkdv_partitions(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, offsets, num_targets, stride_t, H,
+        _dkdv_partitions(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, num_targets, stride_t, H,
                          work, n_listed, n_seq, scale, qk_scale, inv_norm, STAGES, ACTIVATION, CAUSAL, HAS_TARGETS)
 
 
 @gluon.jit
-def _dkdv_partitions(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, offsets, num_targets, stride_t, H,
+def _dkdv_partitions(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, num_targets, stride_t, H,
                      work, n_listed, n_seq, scale, qk_scale, inv_norm, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
                      CAUSAL: gl.constexpr, HAS_TARGETS: gl.constexpr):
     """Shared memory, barriers and the three partitions of :func:`_jagged_attn_bwd_dkdv_hopper`."""
@@ -474,14 +474,14 @@ def _dkdv_partitions(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, offse
         k_desc, v_desc, q_desc, do_desc, STAGES)
     gl.warp_specialize([
         (_dkdv_consumer, (0, k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do_ready, empty, DK, DV,
-                          LSE2, DELTA, offsets, num_targets, H, work, n_listed, n_seq, stride_t, scale, qk_scale,
+                          LSE2, DELTA, num_targets, H, work, n_listed, n_seq, stride_t, scale, qk_scale,
                           inv_norm, ACTIVATION, CAUSAL, HAS_TARGETS)),
         (_dkdv_second_consumer, (k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do_ready, empty,
-                                 k_desc, v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, offsets, num_targets, H,
+                                 k_desc, v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, num_targets, H,
                                  work, n_listed, n_seq, stride_t, scale, qk_scale, inv_norm, ACTIVATION, CAUSAL,
                                  HAS_TARGETS)),
         (_dkdv_producer, (k_smem, v_smem, q_ring, do_ring, kv_bar, kv_free, q_ready, do_ready, empty, k_desc,
-                          v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, offsets, num_targets, H, work, n_listed, n_seq,
+                          v_desc, q_desc, do_desc, DK, DV, LSE2, DELTA, num_targets, H, work, n_listed, n_seq,
                           stride_t, scale, qk_scale, inv_norm, ACTIVATION, CAUSAL, HAS_TARGETS)),
     ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
@@ -535,11 +535,11 @@ def jagged_attention_bwd_hopper(do, q, k, v, out, lse2, offsets, activation: str
     _, slot, stages = DQ_TILE
     _jagged_attn_bwd_dq_hopper[(ctas,)](
         descriptor(q, 64), descriptor(do, 64), descriptor(k, slot), descriptor(v, slot),
-        dq, out, lse2, delta, offsets, targets, dq.stride(0), out.stride(0), H, q_work, q_listed, B, scale, qk_scale,
+        dq, out, lse2, delta, targets, dq.stride(0), out.stride(0), H, q_work, q_listed, B, scale, qk_scale,
         inv_norm, STAGES=stages, **flags)
     _, slot, stages = DKDV_TILE
     _jagged_attn_bwd_dkdv_hopper[(ctas,)](
         descriptor(k, 64), descriptor(v, 64), descriptor(q, slot), descriptor(do, slot),
-        dk, dv, lse2, delta, offsets, targets, dk.stride(0), H, k_work, k_listed, B, scale, qk_scale, inv_norm,
+        dk, dv, lse2, delta, targets, dk.stride(0), H, k_work, k_listed, B, scale, qk_scale, inv_norm,
         STAGES=stages, **flags)
     return dq, dk, dv

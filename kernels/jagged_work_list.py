@@ -15,7 +15,6 @@ stays asynchronous), from the offsets alone.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -25,12 +24,10 @@ import triton.language as tl
 TILE_ROWS = 128
 #: sequences per chunk of the list kernel; batches up to this many are read once
 _MAX_CHUNK = 4096
-#: int32 fields per list entry: the item code only, or (code, sequence start, sequence length) so
-#: that a kernel reads an item's sequence without a second, dependent load of the offsets. The
-#: three-field list was written at the end of session 19 with no GPU time left (it compiles for
-#: sm_90 and its list is checked in the interpreter): opt-in, GEMCORE_GLUON_RICH_LIST=1 (read at
-#: import), until the Gluon GPU tests and an A/B have run with it
-ENTRY_FIELDS = 3 if os.environ.get("GEMCORE_GLUON_RICH_LIST", "0") == "1" else 1
+#: int32 fields per list entry: (item code, sequence start, sequence length), so that a kernel
+#: reads an item's sequence without a second, dependent load of the offsets (against the code
+#: alone, on an H200: dense95 forward +0.8 to +1.9 %, heavytail +1.4 to +1.8 %; docs/kernels.md)
+ENTRY_FIELDS = 3
 
 
 @triton.jit
@@ -44,50 +41,48 @@ def _sequences(offsets, b, B, TILE: tl.constexpr):
 
 
 @triton.jit
-def _list_level(work, n_tiles, start, length, b, B, level, listed, FROM_END: tl.constexpr,
-                FIELDS: tl.constexpr):
+def _list_level(work, n_tiles, start, length, b, B, level, listed, FROM_END: tl.constexpr):
     """Appends the items of one level (sequences with more than ``level`` tiles, in order of b)
     at ``listed``; returns the new length."""
     valid = level < n_tiles
     tile = n_tiles - 1 - level if FROM_END else level + 0 * n_tiles
     flags = valid.to(tl.int32)
     pos = listed + tl.cumsum(flags, 0) - 1
-    tl.store(work + FIELDS * pos, tile * B + b, mask=valid)
-    if FIELDS == 3:
-        tl.store(work + 3 * pos + 1, start, mask=valid)
-        tl.store(work + 3 * pos + 2, length, mask=valid)
+    tl.store(work + 3 * pos, tile * B + b, mask=valid)
+    tl.store(work + 3 * pos + 1, start, mask=valid)
+    tl.store(work + 3 * pos + 2, length, mask=valid)
     return listed + tl.sum(flags, 0)
 
 
 @triton.jit
 def _work_list_kernel(offsets, work, n_listed, B, n_levels, FROM_END: tl.constexpr, TILE: tl.constexpr,
-                      BLOCK_B: tl.constexpr, ONE_CHUNK: tl.constexpr, FIELDS: tl.constexpr = 1):
-    """One program. Levels from n_levels-1 down to 0; ``work`` gets per item t·B + b (and with
-    FIELDS = 3 the sequence's start and length after it), t = level (FROM_END false) or the
-    sequence's tile count - 1 - level (true); ``n_listed`` the count."""
+                      BLOCK_B: tl.constexpr, ONE_CHUNK: tl.constexpr):
+    """One program. Levels from n_levels-1 down to 0; ``work`` gets per item (t·B + b, the
+    sequence's start, its length), t = level (FROM_END false) or the sequence's tile count - 1 -
+    level (true); ``n_listed`` the count."""
     listed = 0
     if ONE_CHUNK:                                  # B <= BLOCK_B: the sequences read once
         b = tl.arange(0, BLOCK_B)
         n_tiles, start, length = _sequences(offsets, b, B, TILE)
         for i in range(n_levels):
-            listed = _list_level(work, n_tiles, start, length, b, B, n_levels - 1 - i, listed, FROM_END, FIELDS)
+            listed = _list_level(work, n_tiles, start, length, b, B, n_levels - 1 - i, listed, FROM_END)
     else:
         for i in range(n_levels):
             for b0 in range(0, B, BLOCK_B):
                 b = b0 + tl.arange(0, BLOCK_B)
                 n_tiles, start, length = _sequences(offsets, b, B, TILE)
-                listed = _list_level(work, n_tiles, start, length, b, B, n_levels - 1 - i, listed, FROM_END,
-                                     FIELDS)
+                listed = _list_level(work, n_tiles, start, length, b, B, n_levels - 1 - i, listed,
+                                     FROM_END)
     tl.store(n_listed, listed)
 
 
-def work_list(offsets: torch.Tensor, max_seqlen: int, from_end: bool, n_rows: int | None = None,
-              fields: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(work (capacity·fields,) int32, n_listed (1,) int32) for offsets (B+1,) int64 of sequences
+def work_list(offsets: torch.Tensor, max_seqlen: int, from_end: bool,
+              n_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(work (capacity·3,) int32, n_listed (1,) int32) for offsets (B+1,) int64 of sequences
     of at most max_seqlen rows, n_levels = ceil(max_seqlen / 128). The first n_listed entries are
     the non-empty items t·B + b (tile t: rows [128 t, 128 t + 128) of sequence b), costliest
-    first under causal attention, each followed by b's start and length when ``fields`` (default
-    ENTRY_FIELDS) is 3; the rest of ``work`` is not written. ``n_rows``: offsets[-1] (the rows of
+    first under causal attention, each followed by b's start and length (ENTRY_FIELDS = 3 int32
+    per entry); the rest of ``work`` is not written. ``n_rows``: offsets[-1] (the rows of
     all sequences, known on the host), which bounds the items by (n_rows + 127·B) // 128, so the
     list grows with the real rows, not with B·max_seqlen (capacity: the smaller bound).
 
@@ -97,22 +92,19 @@ def work_list(offsets: torch.Tensor, max_seqlen: int, from_end: bool, n_rows: in
       ``l`` of sequence b is its tile n_tiles(b) - 1 - l, the tile with l tiles after it; so the
       highest level lists the tiles with the most rows after them.
     """
-    fields = fields or ENTRY_FIELDS
-    if fields not in (1, 3):
-        raise ValueError(f"fields must be 1 or 3, got {fields}")
     B = offsets.numel() - 1
     n_levels = math.ceil(max_seqlen / TILE_ROWS)
     capacity = n_levels * B                        # sum over b of ceil(len_b / 128), at most
     if n_rows is not None:
         capacity = min(capacity, (n_rows + (TILE_ROWS - 1) * B) // TILE_ROWS)
     # (at least one entry: an empty CUDA tensor's null pointer is not a kernel argument)
-    work = torch.empty(max(capacity, 1) * fields, device=offsets.device, dtype=torch.int32)
+    work = torch.empty(max(capacity, 1) * ENTRY_FIELDS, device=offsets.device, dtype=torch.int32)
     n_listed = torch.zeros(1, device=offsets.device, dtype=torch.int32)
     if n_levels * B == 0:
         return work, n_listed
     block = min(triton.next_power_of_2(B), _MAX_CHUNK)
     _work_list_kernel[(1,)](offsets, work, n_listed, B, n_levels, FROM_END=from_end, TILE=TILE_ROWS,
-                            BLOCK_B=block, ONE_CHUNK=B <= block, FIELDS=fields,
+                            BLOCK_B=block, ONE_CHUNK=B <= block,
                             num_warps=4 if block <= 1024 else 8)
     return work, n_listed
 

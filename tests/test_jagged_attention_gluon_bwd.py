@@ -77,12 +77,12 @@ def test_compiles_for_sm90_with_the_installed_triton(activation, causal, targets
     rows, slot, dq_stages = gluon_bwd.DQ_TILE
     dq_descs = [gluon_bwd.descriptor(x, r) for r in (rows // 2, rows // 2, slot, slot)]
     dq_signature = dict(zip(("q_desc", "do_desc", "k_desc", "v_desc"), map(mangle_type, dq_descs)),
-                        DQ=ptr, O=ptr, LSE2="*fp32", DELTA="*fp32", offsets="*i64", num_targets="*i64",
+                        DQ=ptr, O=ptr, LSE2="*fp32", DELTA="*fp32", num_targets="*i64",
                         stride_t="i32", stride_o="i32", H="i32", work="*i32", n_listed="*i32", n_seq="i32", **scalars)
     rows, slot, dkdv_stages = gluon_bwd.DKDV_TILE
     dkdv_descs = [gluon_bwd.descriptor(x, r) for r in (rows // 2, rows // 2, slot, slot)]
     dkdv_signature = dict(zip(("k_desc", "v_desc", "q_desc", "do_desc"), map(mangle_type, dkdv_descs)),
-                          DK=ptr, DV=ptr, LSE2="*fp32", DELTA="*fp32", offsets="*i64", num_targets="*i64",
+                          DK=ptr, DV=ptr, LSE2="*fp32", DELTA="*fp32", num_targets="*i64",
                           stride_t="i32", H="i32", work="*i32", n_listed="*i32", n_seq="i32", **scalars)
     for kernel, signature, stages in ((gluon_bwd._jagged_attn_bwd_dq_hopper, dq_signature, dq_stages),
                                       (gluon_bwd._jagged_attn_bwd_dkdv_hopper, dkdv_signature, dkdv_stages)):

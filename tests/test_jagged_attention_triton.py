@@ -294,19 +294,17 @@ def test_work_list_holds_every_non_empty_item_once_costliest_first(lengths, slac
     from gemcore.kernels.jagged_work_list import work_list, work_list_reference
 
     max_len = max(lengths, default=0) + slack
-    work, n_listed = work_list(_offsets(lengths), max_len, from_end, n_rows=sum(lengths), fields=1)
+    work, n_listed = work_list(_offsets(lengths), max_len, from_end, n_rows=sum(lengths))
     want = work_list_reference(lengths, max_len, from_end)
     assert int(n_listed) == len(want)
-    assert len(want) <= work.numel() <= max(1, (sum(lengths) + 127 * len(lengths)) // 128)   # real rows bound it
-    assert work[:len(want)].tolist() == want
+    bound = max(1, (sum(lengths) + 127 * len(lengths)) // 128)       # the real rows bound the capacity
+    assert 3 * len(want) <= work.numel() <= 3 * bound
     B = len(lengths)
+    starts = [sum(lengths[:b]) for b in range(B)]
+    # three fields per entry: the item, its sequence's start and length
+    assert work[:3 * len(want)].view(-1, 3).tolist() == [[x, starts[x % B], lengths[x % B]] for x in want]
     tiles = sorted(divmod(x, B) if B else None for x in want)
     assert tiles == sorted((t, b) for b, n in enumerate(lengths) for t in range(-(-n // 128)))
-    # three fields per entry: the same items, each with its sequence's start and length
-    rich, n_rich = work_list(_offsets(lengths), max_len, from_end, n_rows=sum(lengths), fields=3)
-    starts = [sum(lengths[:b]) for b in range(B)]
-    assert int(n_rich) == len(want)
-    assert rich[:3 * len(want)].view(-1, 3).tolist() == [[x, starts[x % B], lengths[x % B]] for x in want]
 
 
 def test_work_list_of_a_batch_wider_than_one_chunk():
@@ -316,13 +314,10 @@ def test_work_list_of_a_batch_wider_than_one_chunk():
     g = torch.Generator().manual_seed(5)
     lengths = torch.randint(0, 400, (_MAX_CHUNK + 37,), generator=g).tolist()
     for from_end in (False, True):
-        work, n_listed = work_list(_offsets(lengths), max(lengths), from_end, fields=1)
+        work, n_listed = work_list(_offsets(lengths), max(lengths), from_end)
         want = work_list_reference(lengths, max(lengths), from_end)
-        assert int(n_listed) == len(want) and work[:len(want)].tolist() == want
-        rich, _ = work_list(_offsets(lengths), max(lengths), from_end, fields=3)
-        assert rich[:3 * len(want):3].tolist() == want
-    with pytest.raises(ValueError, match="fields"):
-        work_list(_offsets(lengths), max(lengths), False, fields=2)
+        assert int(n_listed) == len(want) and work[:3 * len(want):3].tolist() == want
+        assert work[1:3 * len(want):3].tolist() == [sum(lengths[:x % len(lengths)]) for x in want]
 
 
 def test_work_list_costs_fall_along_the_list():
@@ -333,7 +328,7 @@ def test_work_list_costs_fall_along_the_list():
     lengths = [5, 700, 128, 0, 1300, 1, 260]
     B = len(lengths)
     for from_end in (False, True):
-        work, n_listed = work_list(_offsets(lengths), max(lengths), from_end, fields=1)
-        items = [divmod(x, B) for x in work[:int(n_listed)].tolist()]
+        work, n_listed = work_list(_offsets(lengths), max(lengths), from_end)
+        items = [divmod(x, B) for x in work[:3 * int(n_listed):3].tolist()]
         costs = [(-(-lengths[b] // 128) - t) if from_end else t + 1 for t, b in items]
         assert costs == sorted(costs, reverse=True)
