@@ -93,10 +93,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             loss = model.loss(batch)
             loss.backward()
-        norm = float(par.clip_grad_norm_(model.parameters(), args.clip)) if args.clip else None
+        # the norm stays on the device until the step's one sync (the loss, last), as in the
+        # trainer: a sync between backward and optimizer would expose the optimizer's host time
+        norm = par.clip_grad_norm_(model.parameters(), args.clip) if args.clip else None
         optimizer.step()
         loss = float(par.all_reduce_mean(loss.detach()))
-        return loss, norm, time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        return loss, None if norm is None else float(norm), seconds
 
     if args.predict:
         # one untimed pass over the same batches first: Triton compiles a kernel variant for each new
