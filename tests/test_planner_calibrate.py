@@ -32,8 +32,38 @@ def test_host_overhead_adds_on_a_synchronous_device_and_hides_behind_gpu_compute
     tiny = {"layer_overhead_s": 1e-12, "sequence_overhead_s": 0.0, "step_overhead_s": 0.0}
     hidden = estimate(SMALL, _cpu_cluster(**tiny), plan, global_batch=8)
     assert hidden.step_time_s == base.step_time_s and hidden.host_overhead_s == 0.0
-    shows = estimate(SMALL, _cpu_cluster(**fields), plan, global_batch=8)
+    # (the host's work after the backward outlasts the optimizer's GPU time: the step is the host's)
+    shows = estimate(SMALL, _cpu_cluster(optimizer_host_s=1e-3, **fields), plan, global_batch=8)
     assert math.isclose(shows.step_time_s, base.step_time_s + expected - base.compute_s, rel_tol=1e-9)
+
+
+def test_gpu_done_matches_a_phase_by_phase_simulation():
+    """The closed form against the phase loop it stands for, on random host and GPU times."""
+    import random
+
+    from gemcore.planner.cost import gpu_done_s
+
+    rng = random.Random(0)
+    for _ in range(500):
+        n = rng.randint(1, 9)
+        hf, gf, hb, gb, ha, ga = (rng.choice([0.0, rng.uniform(0, 3)]) for _ in range(6))
+        host = gpu = 0.0
+        for h, g in [(hf, gf), (hb, gb)] * n + [(ha, ga)]:
+            host += h
+            gpu = max(gpu + g, host)
+        assert gpu_done_s(n, hf, gf, hb, gb, ha, ga) == pytest.approx(gpu, abs=1e-12)
+
+
+def test_a_step_host_bound_in_its_forward_and_gpu_bound_in_its_backward_costs_both():
+    """The middle model of the one-GPU timeline (benchmarks.md, session 20): the forward's host
+    time plus the backward's GPU time plus the optimizer's, where max(host, GPU) would say less."""
+    from gemcore.planner.cost import gpu_done_s
+
+    mixed = gpu_done_s(1, 7.7, 3.0, 8.6, 14.1, 2.6, 0.7)      # ms; measured 22.6
+    assert mixed == pytest.approx(7.7 + 14.1 + 0.7)
+    assert mixed > max(7.7 + 8.6 + 2.6, 3.0 + 14.1 + 0.7) + 3.0   # max(host, GPU): 18.9
+    assert gpu_done_s(1, 7.7, 2.0, 8.6, 3.0, 2.6, 0.7) == pytest.approx(7.7 + 8.6 + 2.6)   # host-bound
+    assert gpu_done_s(3, 1.0, 5.0, 1.0, 9.0, 1.0, 2.0) == pytest.approx(3 * 14.0 + 2.0)     # GPU-bound
 
 
 def _two_rank_cluster(**gpu_fields):
@@ -98,9 +128,12 @@ def test_measure_on_this_machine_and_calibrated_rates_reach_the_cost_model():
     for key in ("sequence_overhead_s", "layer_overhead_s", "step_overhead_s"):
         assert 0 <= rates[key] < 1.0, key
     assert rates["activation_bytes"] == 4.0                          # CPU runs fp32
+    assert 0.0 <= rates["forward_host_share"] <= 1.0
+    assert 0.0 <= rates["optimizer_host_s"] <= rates["step_overhead_s"]
     cluster, summary = calibrate_cluster(make_cluster("h100", 1, 1), rates, spec=SMALL)
     g = cluster.gpu
     assert g.activation_bytes == 4 and g.host_synchronous and g.layer_overhead_s == rates["layer_overhead_s"]
+    assert (g.forward_host_share, g.optimizer_host_s) == (rates["forward_host_share"], rates["optimizer_host_s"])
     # the planner's GEMM rate at the model's thinnest side equals the rate measured on its layers
     rate = cluster.sustained_peak_flops * g.gemm_efficiency * _gemm_shape_factor(32)
     assert math.isclose(rate, rates["gemm_flops_model"], rel_tol=1e-9)
@@ -114,7 +147,7 @@ def test_attention_rate_is_capped_at_the_gemm_peak(monkeypatch):
     # real lengths cost no more than as many length-1 sequences: the difference is timing noise.
     # The rate that leaves (counted FLOPs / 1e-3 of the time) must lie above any machine's GEMM
     # rate: at 1e-3 s it was ~195 GFLOP/s, which a fast, idle CPU's GEMM beats
-    monkeypatch.setattr(calibrate, "_attention_times", lambda lengths, *args: 1e-9)
+    monkeypatch.setattr(calibrate, "_attention_times", lambda lengths, *args, **kwargs: 1e-9)
     rates = measure(SMALL, lengths=[1, 5, 26, 13], backend="reference", size=128)
     assert rates["attention_flops"] == rates["gemm_flops"]
 
@@ -163,3 +196,21 @@ def test_cpu_window_spans_several_of_the_slowest_calls(monkeypatch):
     assert per_call == pytest.approx(0.1)
     # the window is WINDOW_CALLS warm-up calls long (3 s), not the 0.3 s budget: 30 calls
     assert clock.calls - 1 == pytest.approx(cal.WINDOW_CALLS * 0.5 / 0.1, abs=1)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_rates_on_cuda_are_timed_in_device_time_not_by_the_launches():
+    """Many tiny kernels: the host clock measures their launches, the device time only their
+    execution (a few microseconds each), so the device time is well below the host's."""
+    import torch
+
+    from gemcore.planner.calibrate import _gpu_timed, _timed
+
+    x = torch.ones(256, device="cuda")
+
+    def launches():
+        for _ in range(200):
+            x.add_(1.0)
+
+    host, device = _timed(launches), _gpu_timed(launches)
+    assert 0 < device < 0.7 * host, (device, host)

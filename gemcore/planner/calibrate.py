@@ -11,7 +11,9 @@ Everything is measured the way the run computes, in the run's dtype (bf16 on CUD
 * elementwise: ``a * b`` on one micro-batch's activation (T, hidden), bytes read + written per s;
 * host overhead: one- and three-block GemModel train steps (embeddings, head, loss, clipping,
   AdamW) on a single one-token sequence: the slope per block (per layer) and the rest (per step) —
-  the time that does not scale with size; under a process group the same model
+  the time that does not scale with size — and, from the host clock at the phase borders, the
+  forward's share of the per-layer part and the per-step part after the backward (the planner
+  plays host and GPU against each other phase by phase); under a process group the same model
   wrapped in FSDP2 the way the run is, for what sharding adds per layer and per step beyond the
   collectives' bytes and latencies;
 * under a process group (``torchrun``): all-gather and reduce-scatter at the size FSDP2 moves per
@@ -21,6 +23,10 @@ Everything is measured the way the run computes, in the run's dtype (bf16 on CUD
 Timing (:func:`_timed`): on a CPU the mean time per call over a window in which every rank of the
 process group runs the same measurement at once, as the run's ranks compute at once (sharing the
 cores' caches and memory bandwidth, and the cores with any other process); on CUDA the median.
+The rates (GEMM, attention, elementwise) are timed on CUDA in device time alone
+(:func:`_gpu_timed`): timed by the host clock, a small model's shapes measure the launches, which
+the host terms already count (session 20: a hidden-512 model's GPU was busy 2.7 ms of a 17 ms
+step while the host-clock rates predicted 15 ms of compute).
 
 The measured square-GEMM rate becomes the peak (MFU is relative to it); the other rates become
 efficiencies against it, the overheads :class:`~gemcore.planner.cluster.GpuKind` fields.
@@ -96,6 +102,25 @@ def _timed(fn, repeats: int = 5, budget_s: float = 0.3) -> float:
     return (time.perf_counter() - t0) / calls
 
 
+def _gpu_timed(fn) -> float:
+    """Seconds of device time per call of ``fn()``: on CUDA, each timed call queued behind a spacer
+    kernel that outlasts the host's work for it (twice a warm call's wall time at 2 GHz), so the
+    events time the GPU alone; a rate timed by the host clock on a small shape would measure the
+    launches, and the planner counts host time apart (its overhead terms). On a CPU: :func:`_timed`."""
+    if not torch.cuda.is_available():
+        return _timed(fn)
+    from gemcore.bench.timing import SPACER_CYCLES, median_ms
+
+    fn()                                          # compiles (Triton), allocates
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    warm = time.perf_counter() - t0
+    cycles = max(SPACER_CYCLES, int(4e9 * warm))
+    return median_ms(fn, warmup=1, rep_ms=100, launch_hidden=True, spacer_cycles=cycles) / 1e3
+
+
 def _device_dtype(dtype: torch.dtype | None) -> tuple[str, torch.dtype]:
     cuda = torch.cuda.is_available()
     return ("cuda" if cuda else "cpu"), dtype or (torch.bfloat16 if cuda else torch.float32)
@@ -114,12 +139,13 @@ def _gemm_rate_model(spec, tokens: int, device: str, dtype: torch.dtype) -> floa
             (x[n] @ wi).sum().backward()
 
     flops = sum(6.0 * n * m * tokens for n, m in shapes)
-    return flops / _timed(run)
+    return flops / _gpu_timed(run)
 
 
 def _attention_times(lengths: list[int], targets: int, heads: int, head_dim: int, backend: str,
-                     device: str, dtype: torch.dtype) -> float:
-    """Seconds of one causal jagged attention forward + backward over sequences of ``lengths``."""
+                     device: str, dtype: torch.dtype, gpu_time: bool = False) -> float:
+    """Seconds of one causal jagged attention forward + backward over sequences of ``lengths``
+    (``gpu_time``: the device's time alone, :func:`_gpu_timed`; else the wall clock's)."""
     from gemcore.kernels.jagged_attention import jagged_attention
 
     offsets = torch.tensor([0, *np.cumsum(lengths)], device=device, dtype=torch.int64)
@@ -134,14 +160,16 @@ def _attention_times(lengths: list[int], targets: int, heads: int, head_dim: int
                                max_seqlen=max_len, backend=backend, validate=False)
         out.sum().backward()
 
-    return _timed(run)
+    return _gpu_timed(run) if gpu_time else _timed(run)
 
 
 def _tiny_step_s(heads: int, blocks: int, backend: str, device: str, dtype: torch.dtype,
-                 mesh=None) -> float:
-    """Seconds of one train step (loss, backward, clipping, AdamW) of a ``blocks``-block GemModel
-    of width 2·heads on one user with one history event and one candidate: host work only. With
-    ``mesh``: wrapped in FSDP2 the way the run is, gemcore's clipping, the loss all-reduced."""
+                 mesh=None) -> tuple[float, float, float]:
+    """(seconds per step, forward's share, share after the backward) of one train step (loss,
+    backward, clipping, AdamW) of a ``blocks``-block GemModel of width 2·heads on one user with
+    one history event and one candidate: host work only (its launches outrun nothing, so the
+    host clock at the phase borders needs no sync). With ``mesh``: wrapped in FSDP2 the way the
+    run is, gemcore's clipping, the loss all-reduced."""
     import torch.distributed as dist
 
     from gemcore.config import AttentionConfig, ModelConfig
@@ -163,31 +191,49 @@ def _tiny_step_s(heads: int, blocks: int, backend: str, device: str, dtype: torc
 
     clip = torch.nn.utils.clip_grad_norm_ if mesh is None else clip_grad_norm_
 
+    phases = [0.0, 0.0, 0.0]                       # forward, backward, after (summed over calls)
+
     def step():
+        t0 = time.perf_counter()
         loss = model.loss(batch)
+        t1 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        t2 = time.perf_counter()
         clip(model.parameters(), 1.0)
         opt.step()
         if mesh is not None:
             dist.all_reduce(loss.detach())
+        t3 = time.perf_counter()
+        for i, dt in enumerate((t1 - t0, t2 - t1, t3 - t2)):
+            phases[i] += dt
 
     if mesh is None:
-        return _timed(step, repeats=21)
-    dist.barrier()
-    return _timed(step, repeats=21, budget_s=0.0)   # the same call count on every rank
+        seconds = _timed(step, repeats=21)
+    else:
+        dist.barrier()
+        seconds = _timed(step, repeats=21, budget_s=0.0)   # the same call count on every rank
+    total = sum(phases) or 1.0
+    return seconds, phases[0] / total, phases[2] / total
 
 
-def _host_overheads(spec, backend: str, device: str, dtype: torch.dtype) -> tuple[float, float]:
-    """(per layer, per step) seconds of size-independent host work: the slope and the rest of one-
-    and three-block models' train steps on one token (:func:`_tiny_step_s`). Measured inside whole
-    steps, as the run pays them: a block timed alone would also pay the backward call's own start,
-    which a step pays once."""
+def _host_overheads(spec, backend: str, device: str, dtype: torch.dtype) -> dict[str, float]:
+    """Seconds of size-independent host work: per layer and per step (the slope and the rest of
+    one- and three-block models' train steps on one token, :func:`_tiny_step_s`), the forward's
+    share of the per-layer part, and the per-step part after the backward (clipping, optimizer:
+    the one-block model's, less its per-layer growth). Measured inside whole steps, as the run
+    pays them: a block timed alone would also pay the backward call's own start, which a step
+    pays once."""
     heads = spec.num_heads if spec is not None else 4
-    one, three = (_tiny_step_s(heads, n, backend, device, dtype) for n in (1, 3))
+    (one, fwd1, after1), (three, fwd3, after3) = (_tiny_step_s(heads, n, backend, device, dtype) for n in (1, 3))
     layer_s = max(0.0, (three - one) / 2)
+    step_s = max(0.0, one - layer_s)
+    fwd_slope = (three * fwd3 - one * fwd1) / 2
+    after_slope = (three * after3 - one * after1) / 2
+    share = min(1.0, max(0.0, fwd_slope / layer_s)) if layer_s > 0 else 0.5
     # (each layer includes one attention call on one sequence: the caller subtracts its per-sequence part)
-    return layer_s, max(0.0, one - layer_s)
+    return {"layer_s": layer_s, "step_s": step_s, "forward_host_share": share,
+            "optimizer_host_s": min(step_s, max(0.0, one * after1 - after_slope))}
 
 
 def _sharded_overheads(spec, backend: str, device: str, dtype: torch.dtype, layer_s: float,
@@ -205,7 +251,7 @@ def _sharded_overheads(spec, backend: str, device: str, dtype: torch.dtype, laye
 
     heads = spec.num_heads if spec is not None else 4
     mesh = init_device_mesh(device, (dist.get_world_size(),))
-    one, two = (_tiny_step_s(heads, n, backend, device, dtype, mesh) for n in (1, 2))
+    one, two = (_tiny_step_s(heads, n, backend, device, dtype, mesh)[0] for n in (1, 2))
     per_layer = max(0.0, two - one - layer_s)
     per_step = max(0.0, one - (step_s + layer_s) - per_layer)
     # the planner costs each unit's 3 FSDP collectives (a block's, and the root's once per step);
@@ -250,7 +296,7 @@ def measure(spec=None, *, lengths: list[int] | None = None, sequences: int = 16,
     ``seq_len``; on a CPU at most 8 sequences of at most 1024 tokens, so a large preset stays
     measurable: the reference attention holds an L×L score matrix per head). Returns gemm_flops (square), gemm_flops_model, attention_flops (per counted
     FLOP), sequence_overhead_s, copy_bytes_per_s, layer_overhead_s, step_overhead_s,
-    activation_bytes and, under a process group, collective_latency_s, fsdp_busbw,
+    forward_host_share, optimizer_host_s, activation_bytes and, under a process group, collective_latency_s, fsdp_busbw,
     allreduce_busbw."""
     device, dtype = _device_dtype(dtype)
     if backend == "auto":
@@ -258,7 +304,7 @@ def measure(spec=None, *, lengths: list[int] | None = None, sequences: int = 16,
     n = size or (8192 if device == "cuda" else 512)
     lengths_given = lengths is not None
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    out = {"gemm_flops": 2 * n ** 3 / _timed(lambda: a @ b)}
+    out = {"gemm_flops": 2 * n ** 3 / _gpu_timed(lambda: a @ b)}
     if lengths is None:
         if spec is not None and spec.length_law != "fixed":
             from gemcore.planner.models import history_lengths
@@ -275,10 +321,13 @@ def measure(spec=None, *, lengths: list[int] | None = None, sequences: int = 16,
     head_dim = spec.qk_head_dim if spec is not None else (128 if device == "cuda" else 64)
     targets = spec.num_candidates if spec is not None else 0
     tokens = sum(lengths)
-    t_real = _attention_times(lengths, targets, heads, head_dim, backend, device, dtype)
+    cuda = device == "cuda"
+    t_real = _attention_times(lengths, targets, heads, head_dim, backend, device, dtype, gpu_time=cuda)
     t_ones = _attention_times([1] * len(lengths), 0, heads, head_dim, backend, device, dtype)
     t_one = _attention_times([1], 0, heads, head_dim, backend, device, dtype)
     per_seq = max(0.0, (t_ones - t_one) / max(1, len(lengths) - 1))
+    if cuda:                                      # the rate's per-call part, in device time too
+        t_ones = _attention_times([1] * len(lengths), 0, heads, head_dim, backend, device, dtype, gpu_time=True)
     counted = 3.5 * heads * 2 * head_dim * sum(x * x for x in lengths)   # the planner's hardware count
     # the per-call part of t_ones is in the layer overhead (the block calls attention once); short
     # sequences leave t_real - t_ones at the timing noise, so the rate is capped at the measured
@@ -293,10 +342,13 @@ def measure(spec=None, *, lengths: list[int] | None = None, sequences: int = 16,
     numel = tokens * width if spec is not None else 64 * 2 ** 20 // 4
     x, y = (torch.randn(numel, device=device, dtype=dtype) for _ in range(2))
     z = torch.empty_like(x)
-    out["copy_bytes_per_s"] = 3 * numel * x.element_size() / _timed(lambda: torch.mul(x, y, out=z))
-    layer_s, step_s = _host_overheads(spec, backend, device, dtype)
+    out["copy_bytes_per_s"] = 3 * numel * x.element_size() / _gpu_timed(lambda: torch.mul(x, y, out=z))
+    host = _host_overheads(spec, backend, device, dtype)
+    layer_s, step_s = host["layer_s"], host["step_s"]
     out["layer_overhead_s"] = max(0.0, layer_s - per_seq)
     out["step_overhead_s"] = step_s
+    out["forward_host_share"] = host["forward_host_share"]
+    out["optimizer_host_s"] = host["optimizer_host_s"]
     out["activation_bytes"] = float(torch.empty(0, dtype=dtype).element_size())
     import torch.distributed as dist
 
@@ -344,6 +396,8 @@ def calibrate_cluster(cluster: Cluster, rates: dict[str, float] | None = None, *
         step_overhead_s=rates.get("step_overhead_s", 0.0),
         fsdp_layer_overhead_s=rates.get("fsdp_layer_overhead_s", 0.0),
         data_parallel_step_overhead_s=rates.get("data_parallel_step_overhead_s", 0.0),
+        forward_host_share=rates.get("forward_host_share", 0.5),
+        optimizer_host_s=rates.get("optimizer_host_s", 0.0),
         host_synchronous=not torch.cuda.is_available(),
         comm_overlaps_compute=torch.cuda.is_available() or _spare_cores())
     bus = rates.get("fsdp_busbw", rates.get("allreduce_busbw"))

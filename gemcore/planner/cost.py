@@ -456,11 +456,20 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
             "fsdp": fsdp_exposed, "dp_replicate": replicate_exposed, "embedding": embed_exposed}
     compute_total = n_mb * compute_mb + optimizer_s + fsdp_copy_s
     # size-independent host time (Python, dispatcher, per-sequence attention loops): it adds to the
-    # compute on a synchronous device; on a GPU only what the asynchronous launches cannot hide shows
-    host = (n_mb * stage_layers * (g.layer_overhead_s + plan.mbs * g.sequence_overhead_s
-                                   + (g.fsdp_layer_overhead_s if fsdp_n > 1 else 0.0))
-            + g.step_overhead_s + (g.data_parallel_step_overhead_s if cluster.gpus > 1 else 0.0))
-    host_exposed = host if g.host_synchronous else max(0.0, host - compute_total)
+    # compute on a synchronous device; on a GPU only what the asynchronous launches cannot hide
+    # shows, phase by phase (:func:`gpu_done_s`)
+    layers_host = n_mb * stage_layers * (g.layer_overhead_s + plan.mbs * g.sequence_overhead_s
+                                         + (g.fsdp_layer_overhead_s if fsdp_n > 1 else 0.0))
+    after_host = (min(g.optimizer_host_s, g.step_overhead_s)
+                  + (g.data_parallel_step_overhead_s if cluster.gpus > 1 else 0.0))
+    issue_host = layers_host + g.step_overhead_s - min(g.optimizer_host_s, g.step_overhead_s)
+    if g.host_synchronous:
+        host_exposed = issue_host + after_host
+    else:
+        share = g.forward_host_share
+        host_exposed = gpu_done_s(n_mb, share * issue_host / n_mb, compute_mb / 3,
+                                  (1 - share) * issue_host / n_mb, bwd_mb, after_host,
+                                  optimizer_s + fsdp_copy_s) - compute_total
     compute_total += host_exposed
     step = compute_total + sum(comm.values()) + bubble
 
@@ -475,6 +484,26 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
                     model_flops_per_step=model_flops, num_gpus=cluster.gpus, peak_flops=cluster.peak_flops,
                     num_microbatches=n_mb, intra_node=inside, inter_node=across,
                     host_overhead_s=host_exposed)
+
+
+def gpu_done_s(n_mb: int, host_fwd: float, gpu_fwd: float, host_bwd: float, gpu_bwd: float,
+               host_after: float, gpu_after: float) -> float:
+    """Seconds from a step's start until its GPU work is done, when the host issues ``n_mb``
+    micro-batches' forward and backward (``host_fwd``, ``host_bwd`` s each) and then the work after
+    the backward (``host_after``: clipping, optimizer), and the GPU runs them in ``gpu_*`` s.
+
+    Launches are asynchronous, so each phase ends on the GPU at max(the GPU's end of the phase
+    before + this phase's GPU time, the moment the host has issued it). The GPU's lag behind the
+    host then moves per phase as lag ← max(lag + gpu − host, 0); over identical micro-batches that
+    has the closed form below (s: the lag's growth per micro-batch, c: what one backward leaves).
+    A step that is host-bound in its forward and GPU-bound in its backward costs the forward's
+    host time plus the backward's GPU time: more than max(host, GPU) over the whole step.
+    """
+    s = (gpu_fwd - host_fwd) + (gpu_bwd - host_bwd)
+    c = max(gpu_bwd - host_bwd, 0.0)
+    lag = max(n_mb * s, c + (n_mb - 1) * max(s, 0.0)) if n_mb else 0.0
+    issued = n_mb * (host_fwd + host_bwd)
+    return max(issued + lag + gpu_after, issued + host_after)
 
 
 def peak_memory(memory: dict[str, float], *, accumulates: bool) -> float:
