@@ -55,25 +55,62 @@ def _list_level(work, n_tiles, start, length, b, B, level, listed, FROM_END: tl.
 
 
 @triton.jit
-def _work_list_kernel(offsets, work, n_listed, B, n_levels, FROM_END: tl.constexpr, TILE: tl.constexpr,
-                      BLOCK_B: tl.constexpr, ONE_CHUNK: tl.constexpr):
-    """One program. Levels from n_levels-1 down to 0; ``work`` gets per item (t·B + b, the
-    sequence's start, its length), t = level (FROM_END false) or the sequence's tile count - 1 -
-    level (true); ``n_listed`` the count."""
-    listed = 0
+def _work_list_kernel(offsets, q_work, q_listed, k_work, k_listed, B, n_levels, QUERY: tl.constexpr,
+                      KEY: tl.constexpr, TILE: tl.constexpr, BLOCK_B: tl.constexpr, ONE_CHUNK: tl.constexpr):
+    """One program. Levels from n_levels-1 down to 0; per item (t·B + b, the sequence's start, its
+    length): with QUERY into ``q_work``, t = level; with KEY into ``k_work``, t = the sequence's
+    tile count - 1 - level; the counts into ``q_listed`` / ``k_listed``."""
+    q_n = 0
+    k_n = 0
     if ONE_CHUNK:                                  # B <= BLOCK_B: the sequences read once
         b = tl.arange(0, BLOCK_B)
         n_tiles, start, length = _sequences(offsets, b, B, TILE)
         for i in range(n_levels):
-            listed = _list_level(work, n_tiles, start, length, b, B, n_levels - 1 - i, listed, FROM_END)
+            if QUERY:
+                q_n = _list_level(q_work, n_tiles, start, length, b, B, n_levels - 1 - i, q_n, False)
+            if KEY:
+                k_n = _list_level(k_work, n_tiles, start, length, b, B, n_levels - 1 - i, k_n, True)
     else:
         for i in range(n_levels):
             for b0 in range(0, B, BLOCK_B):
                 b = b0 + tl.arange(0, BLOCK_B)
                 n_tiles, start, length = _sequences(offsets, b, B, TILE)
-                listed = _list_level(work, n_tiles, start, length, b, B, n_levels - 1 - i, listed,
-                                     FROM_END)
-    tl.store(n_listed, listed)
+                if QUERY:
+                    q_n = _list_level(q_work, n_tiles, start, length, b, B, n_levels - 1 - i, q_n, False)
+                if KEY:
+                    k_n = _list_level(k_work, n_tiles, start, length, b, B, n_levels - 1 - i, k_n, True)
+    if QUERY:
+        tl.store(q_listed, q_n)
+    if KEY:
+        tl.store(k_listed, k_n)
+
+
+def _build(offsets: torch.Tensor, max_seqlen: int, n_rows: int | None, query: bool,
+           key: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The query-tile list (if ``query``) and the key-tile list (if ``key``), in that order, from
+    one allocation and one launch (see :func:`work_list`)."""
+    B = offsets.numel() - 1
+    n_levels = math.ceil(max_seqlen / TILE_ROWS)
+    capacity = n_levels * B                        # sum over b of ceil(len_b / 128), at most
+    if n_rows is not None:
+        capacity = min(capacity, (n_rows + (TILE_ROWS - 1) * B) // TILE_ROWS)
+    # one allocation (no fill kernel: the list kernel writes the counts), each list and count at a
+    # 16-byte boundary (so the kernels' pointer specialisation never changes with the batch); at
+    # least one entry: an empty CUDA tensor's null pointer is not a kernel argument
+    size = max(capacity, 1) * ENTRY_FIELDS
+    stride = -(-size // 4) * 4 + 4                 # a list, padded, then its count (and padding)
+    n_lists = int(query) + int(key)
+    buffer = torch.empty(n_lists * stride, device=offsets.device, dtype=torch.int32)
+    lists = [(buffer[i * stride:i * stride + size], buffer[(i + 1) * stride - 4:(i + 1) * stride - 3])
+             for i in range(n_lists)]
+    if n_levels * B == 0:
+        return [(work, n_listed.zero_()) for work, n_listed in lists]
+    block = min(triton.next_power_of_2(B), _MAX_CHUNK)
+    (q_work, q_listed), (k_work, k_listed) = lists[0], lists[-1]
+    _work_list_kernel[(1,)](offsets, q_work, q_listed, k_work, k_listed, B, n_levels, QUERY=query, KEY=key,
+                            TILE=TILE_ROWS, BLOCK_B=block, ONE_CHUNK=B <= block,
+                            num_warps=4 if block <= 1024 else 8)
+    return lists
 
 
 def work_list(offsets: torch.Tensor, max_seqlen: int, from_end: bool,
@@ -92,21 +129,15 @@ def work_list(offsets: torch.Tensor, max_seqlen: int, from_end: bool,
       ``l`` of sequence b is its tile n_tiles(b) - 1 - l, the tile with l tiles after it; so the
       highest level lists the tiles with the most rows after them.
     """
-    B = offsets.numel() - 1
-    n_levels = math.ceil(max_seqlen / TILE_ROWS)
-    capacity = n_levels * B                        # sum over b of ceil(len_b / 128), at most
-    if n_rows is not None:
-        capacity = min(capacity, (n_rows + (TILE_ROWS - 1) * B) // TILE_ROWS)
-    # (at least one entry: an empty CUDA tensor's null pointer is not a kernel argument)
-    work = torch.empty(max(capacity, 1) * ENTRY_FIELDS, device=offsets.device, dtype=torch.int32)
-    n_listed = torch.zeros(1, device=offsets.device, dtype=torch.int32)
-    if n_levels * B == 0:
-        return work, n_listed
-    block = min(triton.next_power_of_2(B), _MAX_CHUNK)
-    _work_list_kernel[(1,)](offsets, work, n_listed, B, n_levels, FROM_END=from_end, TILE=TILE_ROWS,
-                            BLOCK_B=block, ONE_CHUNK=B <= block,
-                            num_warps=4 if block <= 1024 else 8)
-    return work, n_listed
+    return _build(offsets, max_seqlen, n_rows, query=not from_end, key=from_end)[0]
+
+
+def work_lists(offsets: torch.Tensor, max_seqlen: int,
+               n_rows: int | None = None) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """Both lists of :func:`work_list`, (query tiles, key tiles), from one launch (the backward
+    needs both: dQ walks query tiles, dK/dV key tiles)."""
+    query, key = _build(offsets, max_seqlen, n_rows, query=True, key=True)
+    return query, key
 
 
 def work_list_reference(lengths: list[int], max_seqlen: int, from_end: bool) -> list[int]:

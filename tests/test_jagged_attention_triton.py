@@ -299,6 +299,7 @@ def test_work_list_holds_every_non_empty_item_once_costliest_first(lengths, slac
     assert int(n_listed) == len(want)
     bound = max(1, (sum(lengths) + 127 * len(lengths)) // 128)       # the real rows bound the capacity
     assert 3 * len(want) <= work.numel() <= 3 * bound
+    assert n_listed.data_ptr() % 16 == 0                 # one pointer specialisation for every batch
     B = len(lengths)
     starts = [sum(lengths[:b]) for b in range(B)]
     # three fields per entry: the item, its sequence's start and length
@@ -307,9 +308,23 @@ def test_work_list_holds_every_non_empty_item_once_costliest_first(lengths, slac
     assert tiles == sorted((t, b) for b, n in enumerate(lengths) for t in range(-(-n // 128)))
 
 
+@pytest.mark.parametrize("lengths", [[], [0, 0], [1], [5, 700, 128, 0, 1300, 1, 260], [129] * 3])
+def test_both_lists_from_one_launch_equal_the_lists_built_alone(lengths):
+    """The backward's (query tiles, key tiles) pair from one launch, counts at 16-byte boundaries."""
+    from gemcore.kernels.jagged_work_list import work_list, work_lists
+
+    max_len, n_rows = max(lengths, default=0) + 3, sum(lengths)
+    both = work_lists(_offsets(lengths), max_len, n_rows=n_rows)
+    for from_end, (work, n_listed) in zip((False, True), both):
+        alone, n_alone = work_list(_offsets(lengths), max_len, from_end, n_rows=n_rows)
+        assert int(n_listed) == int(n_alone) and work.numel() == alone.numel()
+        assert work[:3 * int(n_listed)].tolist() == alone[:3 * int(n_alone)].tolist()
+        assert n_listed.data_ptr() % 16 == 0 and work.data_ptr() % 16 == 0
+
+
 def test_work_list_of_a_batch_wider_than_one_chunk():
     """More sequences than the list kernel reads at once (the chunked path)."""
-    from gemcore.kernels.jagged_work_list import _MAX_CHUNK, work_list, work_list_reference
+    from gemcore.kernels.jagged_work_list import _MAX_CHUNK, work_list, work_list_reference, work_lists
 
     g = torch.Generator().manual_seed(5)
     lengths = torch.randint(0, 400, (_MAX_CHUNK + 37,), generator=g).tolist()
@@ -318,6 +333,9 @@ def test_work_list_of_a_batch_wider_than_one_chunk():
         want = work_list_reference(lengths, max(lengths), from_end)
         assert int(n_listed) == len(want) and work[:3 * len(want):3].tolist() == want
         assert work[1:3 * len(want):3].tolist() == [sum(lengths[:x % len(lengths)]) for x in want]
+    (q_work, q_listed), (k_work, k_listed) = work_lists(_offsets(lengths), max(lengths))
+    for work, n_listed, from_end in ((q_work, q_listed, False), (k_work, k_listed, True)):
+        assert work[:3 * int(n_listed):3].tolist() == work_list_reference(lengths, max(lengths), from_end)
 
 
 def test_work_list_costs_fall_along_the_list():
