@@ -502,9 +502,17 @@ def _kind(activation: str) -> str:
     return "softmax" if activation == "softmax" else "pointwise"
 
 
+@functools.lru_cache(maxsize=None)
+def _device_facts(device: torch.device) -> tuple[tuple[int, int], int]:
+    """(compute capability, SM count) of a CUDA device, asked of the driver once per device (each
+    attention call asks both)."""
+    props = torch.cuda.get_device_properties(device)
+    return (props.major, props.minor), props.multi_processor_count
+
+
 def on_hopper(x: torch.Tensor) -> bool:
     """Whether x lives on an sm_90 GPU (H100 / H200), where the Gluon kernels run."""
-    return x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0)
+    return x.is_cuda and _device_facts(x.device)[0] == (9, 0)
 
 
 def gluon_forward_applies(q, k, v, offsets, kv_offsets, num_targets, causal: bool, window_left: int,
@@ -521,7 +529,7 @@ def gluon_forward_applies(q, k, v, offsets, kv_offsets, num_targets, causal: boo
 @functools.lru_cache(maxsize=None)
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a GPU: the persistent kernels' CTA count."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _device_facts(device)[1]
 
 
 @functools.lru_cache(maxsize=None)
