@@ -29,12 +29,15 @@ from gemcore.kernels.mx_reference import (BLOCK, FORMATS, SCALE_RULES, dequantiz
 ELEMS = tuple(FORMATS)
 CAST_BACKENDS = ("auto", "triton", "reference")
 #: "triton": bf16 MMA on tiles dequantized in registers; "triton_fp8": FP8 MMA per 32-wide K block;
+#: "triton_scaled": ``tl.dot_scaled`` (Blackwell's block-scaled MMA; emulated by Triton elsewhere);
 #: "dequant_mm": Triton dequantize to bf16, then torch.mm (cuBLAS); "reference": PyTorch.
-MATMUL_BACKENDS = ("auto", "triton", "triton_fp8", "dequant_mm", "reference")
+MATMUL_BACKENDS = ("auto", "triton", "triton_fp8", "triton_scaled", "dequant_mm", "reference")
 #: dgrad weight source: cast from the master weight, or recast from the forward's MX weight
 DGRAD_WEIGHTS = ("master", "requant")
-#: what "auto" runs for CUDA operands (the fastest exact path measured, see docs/mx.md)
+#: what "auto" runs for CUDA operands (the fastest exact path measured, see docs/mx.md), and on
+#: data-centre Blackwell (compute capability 10.x), whose tensor cores apply MX scales themselves
 AUTO_CUDA_MATMUL = "dequant_mm"
+AUTO_BLACKWELL_MATMUL = "triton_scaled"
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ELEM_DTYPES = {f.dtype: name for name, f in FORMATS.items()}
 
@@ -186,7 +189,7 @@ def mx_matmul(a: MXTensor, b: MXTensor, out_dtype: torch.dtype = torch.bfloat16,
     if backend not in MATMUL_BACKENDS:
         raise ValueError(f"backend must be one of {MATMUL_BACKENDS}, got {backend!r}")
     if backend == "auto":
-        backend = AUTO_CUDA_MATMUL if a.data.is_cuda else "reference"
+        backend = _auto_matmul(a.data)
     if backend != "reference" and not (a.data.is_cuda or _interpreting()):
         raise ValueError(f"backend={backend!r} needs CUDA operands, got {a.device}")
     if backend == "reference":
@@ -199,8 +202,15 @@ def mx_matmul(a: MXTensor, b: MXTensor, out_dtype: torch.dtype = torch.bfloat16,
         return _mm_bf16(a_bf, b_bf, out_dtype)
     from gemcore.kernels.mx_gemm import mx_matmul_triton
 
-    kernel = "fp8" if backend == "triton_fp8" else "dequant"
+    kernel = {"triton_fp8": "fp8", "triton_scaled": "scaled"}.get(backend, "dequant")
     return mx_matmul_triton(a.data, a.scale, b.data, b.scale, out_dtype, kernel=kernel)
+
+
+def _auto_matmul(data: torch.Tensor) -> str:
+    """What backend="auto" runs for operands on data's device."""
+    if not data.is_cuda:
+        return "reference"
+    return AUTO_BLACKWELL_MATMUL if torch.cuda.get_device_capability(data.device)[0] == 10 else AUTO_CUDA_MATMUL
 
 
 # --------------------------------------------------------------------------- MXLinear

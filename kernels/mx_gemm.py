@@ -1,4 +1,4 @@
-"""Triton MX GEMMs for GPUs without block-scaled matrix instructions (Hopper).
+"""Triton MX GEMMs: for GPUs without block-scaled matrix instructions (Hopper), and Blackwell's.
 
 ``C = A @ B`` with A: (M, K) MX blocked along K and B: (K, N) MX blocked along K, float32
 accumulation, each mirroring :func:`mx_reference.mx_matmul_reference`.
@@ -9,6 +9,9 @@ accumulation, each mirroring :func:`mx_reference.mx_matmul_reference`.
   beyond about 2^+-117), and bf16 products are exact in float32.
 * ``_mx_mm_fp8``: the FP8 tensor cores multiply one 32-wide K block at a time; the partial product
   is scaled by 2^(Ea + Eb) and added to the float32 accumulator (the MX definition, step by step).
+* ``_mx_mm_scaled``: ``tl.dot_scaled``, the block-scaled MMA that Blackwell's tensor cores run
+  natively (the scales applied inside the MMA); Triton emulates it elsewhere. Checked in the
+  interpreter and compiled for sm_100 ahead of time; no Blackwell GPU has run it.
 
 The interpreter multiplies bf16 wrongly, so under ``TRITON_INTERPRET=1`` the dequant kernel is
 run with ``DOT_DTYPE=tl.float32`` (same loads, scales and masks; only the MMA type differs).
@@ -104,9 +107,43 @@ def _mx_mm_fp8(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
              acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
+@triton.jit
+def _mx_mm_scaled(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
+                  stride_am, stride_ak, stride_asm, stride_ask,
+                  stride_bk, stride_bn, stride_bsk, stride_bsn, stride_cm, stride_cn,
+                  A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, GROUP_M: tl.constexpr):
+    """KB MX blocks per step through ``tl.dot_scaled`` (the block-scaled MMA: native on
+    Blackwell, where the tensor cores apply the E8M0 scales; elsewhere Triton emulates it). Past
+    K: elements 0 under scale byte 127 (1.0), so they add nothing."""
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    kb = tl.arange(0, KB)
+    k = tl.arange(0, KB * 32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(K, 32), KB):
+        ka = k0 * 32 + k
+        a = tl.load(a_ptr + offs_m[:, None] * stride_am + ka[None, :] * stride_ak,
+                    mask=(offs_m[:, None] < M) & (ka[None, :] < K), other=0)
+        b = tl.load(b_ptr + ka[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+                    mask=(ka[:, None] < K) & (offs_n[None, :] < N), other=0)
+        blocks = k0 + kb
+        sa = tl.load(as_ptr + offs_m[:, None] * stride_asm + blocks[None, :] * stride_ask,
+                     mask=(offs_m[:, None] < M) & (blocks[None, :] * 32 < K), other=127)
+        # (BLOCK_N, KB): dot_scaled takes the rhs scales per output column
+        sb = tl.load(bs_ptr + blocks[None, :] * stride_bsk + offs_n[:, None] * stride_bsn,
+                     mask=(blocks[None, :] * 32 < K) & (offs_n[:, None] < N), other=127)
+        acc = tl.dot_scaled(a, sa, A_FORMAT, b, sb, B_FORMAT, acc)
+    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+             acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
 #: default tiles: the fastest of `gem bench mx --sweep` on an H200 (2026-12-02); tests pin small ones
 DEQUANT_TILE = dict(BLOCK_M=128, BLOCK_N=256, KB=2, GROUP_M=8, num_warps=8, num_stages=3)
 FP8_TILE = dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3)
+#: ``tl.dot_scaled``'s tile: not tuned (no Blackwell GPU has run it)
+SCALED_TILE = dict(BLOCK_M=128, BLOCK_N=128, KB=4, GROUP_M=8, num_warps=4, num_stages=3)
 
 
 def _elem_name(data: torch.Tensor) -> str:
@@ -117,7 +154,8 @@ def mx_matmul_triton(a_data, a_scale, b_data, b_scale, out_dtype=torch.bfloat16,
                      tile: dict | None = None) -> torch.Tensor:
     """a_data: (M, K) with a_scale (M, ceil(K/32)); b_data: (K, N) with b_scale (ceil(K/32), N).
 
-    ``kernel``: ``"dequant"`` (bf16 MMA on dequantized tiles) or ``"fp8"`` (FP8 MMA per K block).
+    ``kernel``: ``"dequant"`` (bf16 MMA on dequantized tiles), ``"fp8"`` (FP8 MMA per K block) or
+    ``"scaled"`` (``tl.dot_scaled``: Blackwell's block-scaled MMA).
     """
     M, K = a_data.shape
     N = b_data.shape[1]
@@ -139,6 +177,10 @@ def mx_matmul_triton(a_data, a_scale, b_data, b_scale, out_dtype=torch.bfloat16,
         t = dict(FP8_TILE, **(tile or {}))
         grid = (triton.cdiv(M, t["BLOCK_M"]) * triton.cdiv(N, t["BLOCK_N"]),)
         _mx_mm_fp8[grid](*common, **elems, **t)
+    elif kernel == "scaled":
+        t = dict(SCALED_TILE, **(tile or {}))
+        grid = (triton.cdiv(M, t["BLOCK_M"]) * triton.cdiv(N, t["BLOCK_N"]),)
+        _mx_mm_scaled[grid](*common, A_FORMAT=_elem_name(a_data), B_FORMAT=_elem_name(b_data), **t)
     else:
-        raise ValueError(f"kernel must be 'dequant' or 'fp8', got {kernel!r}")
+        raise ValueError(f"kernel must be 'dequant', 'fp8' or 'scaled', got {kernel!r}")
     return c

@@ -133,7 +133,7 @@ MM_SHAPES = [(20, 70, 24), (33, 64, 17), (1, 32, 1), (5, 0, 3)] if INTERPRET els
     [(1024, 2048, 768), (333, 1000, 517), (1, 32, 1), (16, 0, 8)]
 
 
-@pytest.mark.parametrize("kernel,tile", [("dequant", MM_TILE), ("fp8", FP8_TILE)])
+@pytest.mark.parametrize("kernel,tile", [("dequant", MM_TILE), ("fp8", FP8_TILE), ("scaled", MM_TILE)])
 @pytest.mark.parametrize("a_elem,b_elem", [("e4m3", "e4m3"), ("e4m3", "e5m2")])
 def test_gemm_kernels_against_float64(kernel, tile, a_elem, b_elem):
     g = torch.Generator().manual_seed(0)
@@ -160,13 +160,13 @@ def test_nan_block_propagates_through_gemm():
     x[3, 40] = math.nan
     a = mx.quantize_mx(x.to(DEVICE), axis=-1)
     b = mx.quantize_mx(torch.randn(64, 16).to(DEVICE), axis=0)
-    for kernel, tile in (("dequant", MM_TILE), ("fp8", FP8_TILE)):
+    for kernel, tile in (("dequant", MM_TILE), ("fp8", FP8_TILE), ("scaled", MM_TILE)):
         out = mx_matmul_triton(a.data, a.scale, b.data, b.scale, torch.float32, kernel=kernel, tile=tile)
         assert out[3].isnan().all() and not out[:3].isnan().any()
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the dequant_mm path calls cuBLAS)")
-@pytest.mark.parametrize("backend", ["triton", "triton_fp8", "dequant_mm", "auto"])
+@pytest.mark.parametrize("backend", ["triton", "triton_fp8", "triton_scaled", "dequant_mm", "auto"])
 def test_public_matmul_backends(backend):
     g = torch.Generator().manual_seed(1)
     a = mx.quantize_mx(torch.randn(512, 1024, generator=g).cuda(), axis=-1)

@@ -152,7 +152,8 @@ def _gemm_exact(out: torch.Tensor, want: torch.Tensor) -> bool:
     return bool((got - want).norm() / want.norm() <= 1e-4)
 
 
-def bench_gemm(M: int, K: int, N: int, sweep: bool, backends=("triton", "triton_fp8", "dequant_mm")) -> list[Row]:
+def bench_gemm(M: int, K: int, N: int, sweep: bool,
+               backends=("triton", "triton_fp8", "triton_scaled", "dequant_mm")) -> list[Row]:
     from gemcore.kernels import mx
     from gemcore.kernels.mx_gemm import mx_matmul_triton
 
@@ -183,7 +184,7 @@ def bench_gemm(M: int, K: int, N: int, sweep: bool, backends=("triton", "triton_
                 fn = lambda: mx.mx_matmul(a, b, out_dtype=torch.bfloat16, backend="dequant_mm")
                 fn32 = lambda: mx.mx_matmul(a, b, out_dtype=torch.float32, backend="dequant_mm")
             else:
-                kernel = "fp8" if backend == "triton_fp8" else "dequant"
+                kernel = {"triton_fp8": "fp8", "triton_scaled": "scaled"}.get(backend, "dequant")
                 fn = lambda: mx_matmul_triton(a.data, a.scale, b.data, b.scale, torch.bfloat16, kernel, tile)
                 fn32 = lambda: mx_matmul_triton(a.data, a.scale, b.data, b.scale, torch.float32, kernel, tile)
             try:
