@@ -32,7 +32,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from gemcore.kernels.jagged_attention_triton_common import ACTIVATION_CODES
-from gemcore.kernels.jagged_work_list import work_list
+from gemcore.kernels.jagged_work_list import cached_lists
 
 # Triton 3.6 names the TMA load async_copy_global_to_shared; later versions async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -574,7 +574,7 @@ def jagged_attention_fwd_hopper(q, k, v, offsets, activation: str, causal: bool,
     if B * H == 0 or n_levels == 0 or T == 0:
         return out, lse2
     qk_scale = scale * 1.4426950408889634 if softmax else scale
-    work, n_listed = work_list(offsets, max_seqlen, n_rows=T, from_end=False)
+    (work, n_listed), = cached_lists(offsets, max_seqlen, T, query=True, key=False)
     n_items = B * H * n_levels                     # at most
     ctas = min(n_items, sm_count(q.device)) if persistent else n_items
     _jagged_attn_fwd_hopper[(ctas,)](

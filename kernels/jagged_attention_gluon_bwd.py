@@ -34,7 +34,7 @@ from gemcore.kernels.jagged_attention_gluon import (_BLOCK_M, _CONSUMER_REGS, _P
                                                     _tma_load, _work_item, descriptor, on_hopper, packed_rows,
                                                     sm_count, unsupported_reason)
 from gemcore.kernels.jagged_attention_triton_common import ACTIVATION_CODES
-from gemcore.kernels.jagged_work_list import work_lists
+from gemcore.kernels.jagged_work_list import cached_lists
 
 #: (rows per CTA, rows per ring slot, ring slots) of the two kernels. dQ: 128 query rows, 64-row
 #: K/V tiles, 3 slots; dK/dV: 128 key rows, 64-row Q/dO tiles, 2 slots (3 timed the same on the H200)
@@ -529,8 +529,8 @@ def jagged_attention_bwd_hopper(do, q, k, v, out, lse2, offsets, activation: str
     targets = offsets if num_targets is None else num_targets
     n_items = B * H * math.ceil(max_seqlen / 128)  # at most: 128-row tiles of the longest sequence
     ctas = min(n_items, sm_count(q.device)) if persistent else n_items
-    # query tiles (as the forward's list) for dQ, key tiles for dK/dV
-    (q_work, q_listed), (k_work, k_listed) = work_lists(offsets, max_seqlen, n_rows=T)
+    # query tiles for dQ (the forward's list, kept on the offsets), key tiles for dK/dV
+    (q_work, q_listed), (k_work, k_listed) = cached_lists(offsets, max_seqlen, T, query=True, key=True)
     _, slot, stages = DQ_TILE
     _jagged_attn_bwd_dq_hopper[(ctas,)](
         descriptor(q, 64), descriptor(do, 64), descriptor(k, slot), descriptor(v, slot),

@@ -132,12 +132,47 @@ def work_list(offsets: torch.Tensor, max_seqlen: int, from_end: bool,
     return _build(offsets, max_seqlen, n_rows, query=not from_end, key=from_end)[0]
 
 
-def work_lists(offsets: torch.Tensor, max_seqlen: int,
-               n_rows: int | None = None) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
-    """Both lists of :func:`work_list`, (query tiles, key tiles), from one launch (the backward
-    needs both: dQ walks query tiles, dK/dV key tiles)."""
-    query, key = _build(offsets, max_seqlen, n_rows, query=True, key=True)
-    return query, key
+#: the attribute of an offsets tensor that keeps the lists built from it (:func:`cached_lists`)
+_CACHE_ATTR = "_gemcore_work_lists"
+
+
+def _list_cache(offsets: torch.Tensor) -> dict | None:
+    """The lists already built from ``offsets`` (for the current stream and the offsets' current
+    contents), or None where keeping them is not safe: an inference tensor (no version counter
+    to see in-place writes by) or a CUDA graph capture (a replay may change the offsets in place
+    without Python seeing it)."""
+    if offsets.is_inference():
+        return None
+    stream = None
+    if offsets.is_cuda:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        stream = torch.cuda.current_stream(offsets.device).cuda_stream
+    cache = getattr(offsets, _CACHE_ATTR, None)
+    if cache is None or cache["version"] != offsets._version or cache["stream"] != stream:
+        cache = {"version": offsets._version, "stream": stream}
+        setattr(offsets, _CACHE_ATTR, cache)
+    return cache
+
+
+def cached_lists(offsets: torch.Tensor, max_seqlen: int, n_rows: int | None, *, query: bool,
+                 key: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`work_list`'s query-tile list (if ``query``) and key-tile list (if ``key``), in that
+    order, built once per offsets tensor: a model's layers all attend over one batch's offsets,
+    so its forward builds the query list once a step (the first layer) and its backward the key
+    list once (the query list is the forward's). What is missing is built in one launch. The
+    lists live on the offsets tensor (an attribute) and are rebuilt when its contents change in
+    place (its version counter) or the current stream changes."""
+    kinds = [kind for kind, wanted in (("query", query), ("key", key)) if wanted]
+    cache = _list_cache(offsets)
+    if cache is None:
+        return _build(offsets, max_seqlen, n_rows, query, key)
+    missing = [kind for kind in kinds if (kind, max_seqlen, n_rows) not in cache]
+    if missing:
+        built = _build(offsets, max_seqlen, n_rows, "query" in missing, "key" in missing)
+        for kind, lists in zip(missing, built):
+            cache[(kind, max_seqlen, n_rows)] = lists
+    return [cache[(kind, max_seqlen, n_rows)] for kind in kinds]
 
 
 def work_list_reference(lengths: list[int], max_seqlen: int, from_end: bool) -> list[int]:

@@ -310,11 +310,12 @@ def test_work_list_holds_every_non_empty_item_once_costliest_first(lengths, slac
 
 @pytest.mark.parametrize("lengths", [[], [0, 0], [1], [5, 700, 128, 0, 1300, 1, 260], [129] * 3])
 def test_both_lists_from_one_launch_equal_the_lists_built_alone(lengths):
-    """The backward's (query tiles, key tiles) pair from one launch, counts at 16-byte boundaries."""
-    from gemcore.kernels.jagged_work_list import work_list, work_lists
+    """The backward's (query tiles, key tiles) pair, built in one launch on fresh offsets, against
+    each list built alone; lists and counts at 16-byte boundaries."""
+    from gemcore.kernels.jagged_work_list import cached_lists, work_list
 
     max_len, n_rows = max(lengths, default=0) + 3, sum(lengths)
-    both = work_lists(_offsets(lengths), max_len, n_rows=n_rows)
+    both = cached_lists(_offsets(lengths), max_len, n_rows, query=True, key=True)
     for from_end, (work, n_listed) in zip((False, True), both):
         alone, n_alone = work_list(_offsets(lengths), max_len, from_end, n_rows=n_rows)
         assert int(n_listed) == int(n_alone) and work.numel() == alone.numel()
@@ -322,9 +323,48 @@ def test_both_lists_from_one_launch_equal_the_lists_built_alone(lengths):
         assert n_listed.data_ptr() % 16 == 0 and work.data_ptr() % 16 == 0
 
 
+def test_lists_are_built_once_per_offsets_until_they_change():
+    """A model's layers share one batch's offsets: the forward's query list is built once and the
+    backward reuses it, building only the key list; an in-place write to the offsets (their
+    version counter), other arguments, or inference tensors get lists built anew."""
+    from gemcore.kernels import jagged_work_list
+    from gemcore.kernels.jagged_work_list import cached_lists, work_list_reference
+
+    lengths = [5, 300, 129, 0]
+    offsets = _offsets(lengths)
+    builds = []
+    real_build = jagged_work_list._build
+
+    def counting_build(*args):
+        builds.append(args[3:])                          # (query, key)
+        return real_build(*args)
+
+    jagged_work_list._build = counting_build
+    try:
+        (q1,) = cached_lists(offsets, 300, 434, query=True, key=False)     # layer 1's forward
+        (q2,) = cached_lists(offsets, 300, 434, query=True, key=False)     # layer 2's forward
+        q3, k3 = cached_lists(offsets, 300, 434, query=True, key=True)     # a backward
+        q4, k4 = cached_lists(offsets, 300, 434, query=True, key=True)
+        assert builds == [(True, False), (False, True)]
+        assert q1[0] is q2[0] is q3[0] is q4[0] and k3[0] is k4[0]
+        assert k3[0][:3 * int(k3[1]):3].tolist() == work_list_reference(lengths, 300, True)
+        cached_lists(offsets, 512, 434, query=True, key=False)             # another max_seqlen
+        assert builds[-1] == (True, False)
+        offsets[-1] = 434                                                  # an in-place write
+        (q5,) = cached_lists(offsets, 300, 434, query=True, key=False)
+        assert len(builds) == 4 and q5[0] is not q1[0]
+        with torch.inference_mode():
+            fresh = _offsets(lengths)
+        cached_lists(fresh, 300, 434, query=True, key=False)
+        cached_lists(fresh, 300, 434, query=True, key=False)
+        assert len(builds) == 6                                            # nothing kept
+    finally:
+        jagged_work_list._build = real_build
+
+
 def test_work_list_of_a_batch_wider_than_one_chunk():
     """More sequences than the list kernel reads at once (the chunked path)."""
-    from gemcore.kernels.jagged_work_list import _MAX_CHUNK, work_list, work_list_reference, work_lists
+    from gemcore.kernels.jagged_work_list import _MAX_CHUNK, cached_lists, work_list, work_list_reference
 
     g = torch.Generator().manual_seed(5)
     lengths = torch.randint(0, 400, (_MAX_CHUNK + 37,), generator=g).tolist()
@@ -333,7 +373,7 @@ def test_work_list_of_a_batch_wider_than_one_chunk():
         want = work_list_reference(lengths, max(lengths), from_end)
         assert int(n_listed) == len(want) and work[:3 * len(want):3].tolist() == want
         assert work[1:3 * len(want):3].tolist() == [sum(lengths[:x % len(lengths)]) for x in want]
-    (q_work, q_listed), (k_work, k_listed) = work_lists(_offsets(lengths), max(lengths))
+    (q_work, q_listed), (k_work, k_listed) = cached_lists(_offsets(lengths), max(lengths), None, query=True, key=True)
     for work, n_listed, from_end in ((q_work, q_listed, False), (k_work, k_listed, True)):
         assert work[:3 * int(n_listed):3].tolist() == work_list_reference(lengths, max(lengths), from_end)
 

@@ -5,7 +5,9 @@ Workloads and the FLOP count follow ANCHORS.md: H=4, D=128, bf16; useful forward
 (padded SDPA, ``torch.nn.attention.varlen.varlen_attn``, FlexAttention with a document mask,
 nested-tensor SDPA) are measured in the same run, on the same inputs. gemcore is timed the way
 the model calls it (``max_seqlen`` given, ``validate=False``: no host sync, as ``varlen_attn``
-takes its maxima from the caller); ``--validated`` adds the checked call (one host sync).
+takes its maxima from the caller); ``--validated`` adds the checked call (one host sync). The
+Gluon kernels' work lists are built once per offsets tensor, as a model's layers share one batch's
+offsets, so the repeated calls reuse them; one build's time is printed apart (work_list_build_us).
 Each call is timed from an idle GPU (host launch work included) unless ``--gpu-time``, which times
 every row, gemcore and anchors alike, on the GPU alone (``timing.median_ms``'s spacer).
 """
@@ -314,6 +316,13 @@ def run(args: argparse.Namespace) -> int:
                 padding_ratio=round(q_lens.numel() * q_max / int(q_off[-1]), 2), H=H, D=D,
                 dtype="bf16", causal=causal, useful_fwd_tflop=flops / 1e12,
                 timing="gpu (spacer)" if args.gpu_time else "per call from an idle GPU")
+    # the Gluon kernels' work lists are built once per offsets tensor (a model's layers share one
+    # batch's), so the rows' repeated calls reuse them: what one build costs, for the record
+    from gemcore.kernels.jagged_work_list import work_list
+
+    n_rows = int(q_off[-1])
+    meta["work_list_build_us"] = round(1e3 * median_ms(
+        lambda: work_list(q_off, q_max, False, n_rows=n_rows), args.iters, launch_hidden=args.gpu_time), 1)
     try:
         import triton
 
