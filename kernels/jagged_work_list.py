@@ -10,7 +10,9 @@ on an H200 against the strided schedule (same results bit for bit): heavytail fo
 backward +19–22 %; dense95 backward +0.5 %, forward −0.7 to −2.5 % (docs/kernels.md).
 
 The list is built on the GPU by one single-program Triton kernel (no host sync, so the launch
-stays asynchronous), from the offsets alone.
+stays asynchronous), from the offsets alone, and kept on the offsets tensor
+(:func:`cached_lists`): a model's layers share one batch's offsets, so a step builds each list
+once.
 """
 from __future__ import annotations
 
