@@ -157,7 +157,10 @@ def explain(plans) -> list[str]:
              + f"; inside a node: {', '.join(best.intra_node) or 'nothing'}"
              + f"; across nodes: {', '.join(best.inter_node) or 'nothing'}"]
     comm = sum(best.comm_exposed_s.values())
-    lines.append(f"step {best.step_time_s:.3g} s = compute {best.compute_s:.3g} s + exposed comm {comm:.3g} s"
+    lines.append(f"step {best.step_time_s:.3g} s = compute {best.compute_s:.3g} s"
+                 + (f" (of which host overhead {best.host_overhead_s:.3g} s)"
+                    if best.host_overhead_s else "")
+                 + f" + exposed comm {comm:.3g} s"
                  + (f" + bubble {best.bubble_s:.3g} s" if best.bubble_s else "")
                  + (f" (largest: {max(best.comm_exposed_s, key=best.comm_exposed_s.get)})" if comm else ""))
     if len(plans) > 1:
