@@ -46,6 +46,22 @@ def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.co
 
 
 @triton.jit
+def _tile_rows_cols(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's output rows (BLOCK_M,) and columns (BLOCK_N,), int64 (:func:`_tile_ids`)."""
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    return offs_m, offs_n
+
+
+@triton.jit
+def _store_tile(c_ptr, acc, offs_m, offs_n, M, N, stride_cm, stride_cn):
+    """acc (BLOCK_M, BLOCK_N) float32 into C's rows offs_m and columns offs_n, in C's dtype."""
+    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+             acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
 def _mx_mm_dequant(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
                    stride_am, stride_ak, stride_asm, stride_ask,
                    stride_bk, stride_bn, stride_bsk, stride_bsn, stride_cm, stride_cn,
@@ -53,9 +69,7 @@ def _mx_mm_dequant(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
                    GROUP_M: tl.constexpr):
     """KB MX blocks (KB * 32 of K) per step."""
-    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_m, offs_n = _tile_rows_cols(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     kb = tl.arange(0, KB)
     j = tl.arange(0, 32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -77,8 +91,7 @@ def _mx_mm_dequant(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
         b = b.to(B_ELEM, bitcast=True).to(tl.float32) * _scale_factor(sb)[:, None, :]
         b = tl.reshape(b, (KB * 32, BLOCK_N)).to(DOT_DTYPE)
         acc = tl.dot(a, b, acc)
-    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
-             acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    _store_tile(c_ptr, acc, offs_m, offs_n, M, N, stride_cm, stride_cn)
 
 
 @triton.jit
@@ -88,9 +101,7 @@ def _mx_mm_fp8(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
                A_ELEM: tl.constexpr, B_ELEM: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """One 32-wide K block per step: FP8 MMA, then the partial times 2^(Ea + Eb) into acc."""
-    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_m, offs_n = _tile_rows_cols(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     j = tl.arange(0, 32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, 32)):
@@ -103,8 +114,7 @@ def _mx_mm_fp8(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
         sb = tl.load(bs_ptr + kb * stride_bsk + offs_n * stride_bsn, mask=offs_n < N, other=127)
         partial = tl.dot(a.to(A_ELEM, bitcast=True), b.to(B_ELEM, bitcast=True))
         acc += partial * (_scale_factor(sa)[:, None] * _scale_factor(sb)[None, :])
-    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
-             acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    _store_tile(c_ptr, acc, offs_m, offs_n, M, N, stride_cm, stride_cn)
 
 
 @triton.jit
@@ -116,9 +126,7 @@ def _mx_mm_scaled(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
     """KB MX blocks per step through ``tl.dot_scaled`` (the block-scaled MMA: native on
     Blackwell, where the tensor cores apply the E8M0 scales; elsewhere Triton emulates it). Past
     K: elements 0 under scale byte 127 (1.0), so they add nothing."""
-    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_m, offs_n = _tile_rows_cols(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     kb = tl.arange(0, KB)
     k = tl.arange(0, KB * 32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -135,8 +143,7 @@ def _mx_mm_scaled(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
         sb = tl.load(bs_ptr + blocks[None, :] * stride_bsk + offs_n[:, None] * stride_bsn,
                      mask=(blocks[None, :] * 32 < K) & (offs_n[:, None] < N), other=127)
         acc = tl.dot_scaled(a, sa, A_FORMAT, b, sb, B_FORMAT, acc)
-    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
-             acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    _store_tile(c_ptr, acc, offs_m, offs_n, M, N, stride_cm, stride_cn)
 
 
 #: default tiles: the fastest of `gem bench mx --sweep` on an H200 (2026-12-02); tests pin small ones
