@@ -10,5 +10,7 @@ python3 - "$OUT/predict_$name.json" <<'PY' || tail -5 "$OUT/predict_$name.err"
 import json, sys
 d = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
 print({k: (round(d[k], 4) if isinstance(d[k], float) else d[k]) for k in ("step_s_predicted", "step_s_measured", "predicted_over_measured", "per_step_ratio_min_max", "last_step_predicted_split_s")})
+print("host issued per phase, measured:", {k: round(v, 4) for k, v in d.get("host_issued_s_measured", {}).items()},
+      "predicted:", {k: round(v, 4) for k, v in d.get("host_issued_s_predicted", {}).items()})
 print("calibration:", d["calibration"])
 PY

@@ -28,6 +28,8 @@ def test_host_overhead_adds_on_a_synchronous_device_and_hides_behind_gpu_compute
     expected = n_mb * layers * (1e-3 + plan.mbs * 2e-4) + 5e-3
     assert math.isclose(sync.step_time_s - base.step_time_s, expected, rel_tol=1e-9)
     assert math.isclose(sync.host_overhead_s, expected, rel_tol=1e-9)
+    assert math.isclose(sum(sync.host_issue_s.values()), expected, rel_tol=1e-9)
+    assert sync.host_issue_s["forward"] == pytest.approx(sync.host_issue_s["backward"])   # default share 0.5
     # asynchronous launches: only the part above the compute time shows
     tiny = {"layer_overhead_s": 1e-12, "sequence_overhead_s": 0.0, "step_overhead_s": 0.0}
     hidden = estimate(SMALL, _cpu_cluster(**tiny), plan, global_batch=8)

@@ -58,6 +58,9 @@ class Estimate:
     inter_node: list[str]
     notes: list[str] = field(default_factory=list)
     host_overhead_s: float = 0.0      #: size-independent host time counted in the step (calibrated)
+    #: the host time issued per phase ("forward", "backward", "after": clipping and optimizer), of
+    #: which host_overhead_s is what the device waits on
+    host_issue_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -87,6 +90,7 @@ class Estimate:
             "exposed_comm_s": dict(self.comm_exposed_s),
             "bubble_s": self.bubble_s,
             "host_overhead_s": self.host_overhead_s,
+            "host_issue_s": dict(self.host_issue_s),
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
             "mfu": self.mfu,
             "intra_node": self.intra_node,
@@ -463,12 +467,13 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
     after_host = (min(g.optimizer_host_s, g.step_overhead_s)
                   + (g.data_parallel_step_overhead_s if cluster.gpus > 1 else 0.0))
     issue_host = layers_host + g.step_overhead_s - min(g.optimizer_host_s, g.step_overhead_s)
+    share = g.forward_host_share
+    host_issue = {"forward": share * issue_host, "backward": (1 - share) * issue_host, "after": after_host}
     if g.host_synchronous:
         host_exposed = issue_host + after_host
     else:
-        share = g.forward_host_share
-        host_exposed = gpu_done_s(n_mb, share * issue_host / n_mb, compute_mb / 3,
-                                  (1 - share) * issue_host / n_mb, bwd_mb, after_host,
+        host_exposed = gpu_done_s(n_mb, host_issue["forward"] / n_mb, compute_mb / 3,
+                                  host_issue["backward"] / n_mb, bwd_mb, after_host,
                                   optimizer_s + fsdp_copy_s) - compute_total
     compute_total += host_exposed
     step = compute_total + sum(comm.values()) + bubble
@@ -483,7 +488,7 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
                     bubble_s=bubble, step_time_s=step, tokens_per_step=tokens_step,
                     model_flops_per_step=model_flops, num_gpus=cluster.gpus, peak_flops=cluster.peak_flops,
                     num_microbatches=n_mb, intra_node=inside, inter_node=across,
-                    host_overhead_s=host_exposed)
+                    host_overhead_s=host_exposed, host_issue_s=host_issue)
 
 
 def gpu_done_s(n_mb: int, host_fwd: float, gpu_fwd: float, host_bwd: float, gpu_bwd: float,

@@ -79,10 +79,13 @@ def main(argv: list[str] | None = None) -> int:
         first = 0 if args.same_batch else step * args.batch
         return list(range(first, first + args.batch))
 
+    issued = []                                   # per timed step: host seconds of each phase
+
     def train_step(step: int) -> tuple[float, float | None, float]:
         """One optimizer step on step ``step``'s global batch: (loss, gradient norm, seconds). The
         batch is built and on the device before the clock starts (a DataLoader's workers prefetch
-        it; the planner does not model input work)."""
+        it; the planner does not model input work). The host clock at the phase borders (no sync:
+        on a GPU, when the host had issued each phase) goes to ``issued``."""
         batch = data.__getitems__(step_users(step)[par.rank::par.world_size]).to(device)
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -90,15 +93,20 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.zero_grad(set_to_none=True)
         if hasattr(model, "forward_backward"):   # a pipeline: forward and backward interleave
             loss = model.forward_backward(batch)
+            t1 = t2 = time.perf_counter()
         else:
             loss = model.loss(batch)
+            t1 = time.perf_counter()
             loss.backward()
+            t2 = time.perf_counter()
         # the norm stays on the device until the step's one sync (the loss, last), as in the
         # trainer: a sync between backward and optimizer would expose the optimizer's host time
         norm = par.clip_grad_norm_(model.parameters(), args.clip) if args.clip else None
         optimizer.step()
+        t3 = time.perf_counter()
         loss = float(par.all_reduce_mean(loss.detach()))
         seconds = time.perf_counter() - t0
+        issued.append({"forward": t1 - t0, "backward": t2 - t1, "after": t3 - t2})
         return loss, None if norm is None else float(norm), seconds
 
     if args.predict:
@@ -107,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         for step in range(args.steps):
             train_step(step)
     losses, grad_norms, step_s = [], [], []
+    issued.clear()
     for step in range(args.steps):
         loss, norm, seconds = train_step(step)
         losses.append(loss)
@@ -130,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         first_batch = data.__getitems__(step_users(0)[par.rank::par.world_size])
         lengths = (first_batch.offsets.diff() + first_batch.cand_offsets.diff()).tolist()
         out.update(_predict(plan, cfg, args, env, step_s, lengths, moments, backend, dtype))
+        # beside the planner's issued host time: what this run's host issued, per phase (a GPU
+        # runs ahead of none of it; on a CPU it is the compute itself)
+        out["host_issued_s_measured"] = {k: sum(s[k] for s in issued) / len(issued) for k in issued[0]}
     if env["rank"] == 0:
         print(json.dumps(out), flush=True)
     if par.mesh is not None:
@@ -180,7 +192,8 @@ def _predict(plan, cfg, args, env, step_s: list[float], lengths: list[int],
             "predicted_over_measured": predicted / measured,
             "per_step_ratio_min_max": [min(ratios), max(ratios)],
             "last_step_predicted_split_s": {"compute": est.compute_s, "host_overhead": est.host_overhead_s,
-                                  **est.comm_exposed_s}}
+                                  **est.comm_exposed_s},
+            "host_issued_s_predicted": est.host_issue_s}
 
 
 if __name__ == "__main__":
