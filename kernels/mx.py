@@ -16,6 +16,7 @@ replaced by another. Semantics: see :mod:`gemcore.kernels.mx_reference` and ``do
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -210,7 +211,14 @@ def _auto_matmul(data: torch.Tensor) -> str:
     """What backend="auto" runs for operands on data's device."""
     if not data.is_cuda:
         return "reference"
-    return AUTO_BLACKWELL_MATMUL if torch.cuda.get_device_capability(data.device)[0] == 10 else AUTO_CUDA_MATMUL
+    return AUTO_BLACKWELL_MATMUL if _cuda_major(data.device) == 10 else AUTO_CUDA_MATMUL
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_major(device: torch.device) -> int:
+    """A CUDA device's compute-capability major, asked of the driver once (MXLinear's three GEMMs
+    ask it every step)."""
+    return torch.cuda.get_device_capability(device)[0]
 
 
 # --------------------------------------------------------------------------- MXLinear

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 
-from gemcore.kernels.mx import MXConfig, MXLinear, MXTensor, quantize_mx
+from gemcore.kernels.mx import MXConfig, MXLinear, MXTensor, _is_dtensor, quantize_mx
 from gemcore.kernels.mx_reference import BLOCK, FORMATS
 
 aten = torch.ops.aten
@@ -309,11 +309,7 @@ def wrap_mx_weights(model: nn.Module) -> list[str]:
 
 def _is_tp_dtensor(weight) -> bool:
     """A 2-D DTensor parameter on a 1-D mesh (tensor parallelism), not yet wrapped."""
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(weight, DTensor) and weight.dim() == 2 and weight.device_mesh.ndim == 1
+    return _is_dtensor(weight) and weight.dim() == 2 and weight.device_mesh.ndim == 1
 
 
 def unwrap_mx_weights(model: nn.Module) -> list[str]:

@@ -320,9 +320,9 @@ def run(args: argparse.Namespace) -> int:
     # batch's), so the rows' repeated calls reuse them: what one build costs, for the record
     from gemcore.kernels.jagged_work_list import work_list
 
-    n_rows = int(q_off[-1])
     meta["work_list_build_us"] = round(1e3 * median_ms(
-        lambda: work_list(q_off, q_max, False, n_rows=n_rows), args.iters, launch_hidden=args.gpu_time), 1)
+        lambda: work_list(q_off, q_max, False, n_rows=meta["tokens_q"]), args.iters,
+        launch_hidden=args.gpu_time), 1)
     try:
         import triton
 
