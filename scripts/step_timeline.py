@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--cpu-ops", type=int, default=0, help="also print the N ops with most host time")
     args = ap.parse_args()
     device = torch.device(args.device)
     cfg = ModelConfig(num_items=300, hidden=args.hidden, num_blocks=args.blocks, num_heads=4, mlp_ratio=2)
@@ -114,6 +115,11 @@ def main() -> None:
         by_name[e.name[:60]] = by_name.get(e.name[:60], 0.0) + e.time_range.end - e.time_range.start
     for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:12]:
         print(f"  {us / 1e3 / n:7.3f} ms/step  {name}")
+    if args.cpu_ops:
+        print("host time per step by op (self, ms) and calls per step:")
+        rows = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:args.cpu_ops]
+        for a in rows:
+            print(f"  {a.self_cpu_time_total / 1e3 / n:7.3f} ms  {a.count / n:6.0f}  {a.key[:70]}")
 
 
 if __name__ == "__main__":

@@ -164,12 +164,12 @@ def _attention_times(lengths: list[int], targets: int, heads: int, head_dim: int
 
 
 def _tiny_step_s(heads: int, blocks: int, backend: str, device: str, dtype: torch.dtype,
-                 mesh=None) -> tuple[float, float, float]:
+                 mesh=None, head_dim: int = 2, events: int = 1) -> tuple[float, float, float]:
     """(seconds per step, forward's share, share after the backward) of one train step (loss,
-    backward, clipping, AdamW) of a ``blocks``-block GemModel of width 2·heads on one user with
-    one history event and one candidate: host work only (its launches outrun nothing, so the
-    host clock at the phase borders needs no sync). With ``mesh``: wrapped in FSDP2 the way the
-    run is, gemcore's clipping, the loss all-reduced."""
+    backward, clipping, AdamW) of a ``blocks``-block GemModel of width heads·head_dim on one user
+    with ``events`` history events and one candidate: host work only (its launches outrun
+    nothing, so the host clock at the phase borders needs no sync). With ``mesh``: wrapped in
+    FSDP2 the way the run is, gemcore's clipping, the loss all-reduced."""
     import torch.distributed as dist
 
     from gemcore.config import AttentionConfig, ModelConfig
@@ -179,15 +179,15 @@ def _tiny_step_s(heads: int, blocks: int, backend: str, device: str, dtype: torc
     from gemcore.planner.apply import apply_fsdp, clip_grad_norm_
 
     torch.manual_seed(0)
-    cfg = ModelConfig(num_items=16, hidden=2 * heads, num_blocks=blocks, num_heads=heads, mlp_ratio=2)
+    cfg = ModelConfig(num_items=16, hidden=head_dim * heads, num_blocks=blocks, num_heads=heads, mlp_ratio=2)
     model = GemModel(cfg, make_attention(AttentionConfig(), backend=backend)).to(device=device, dtype=dtype)
     if mesh is not None:
         model = apply_fsdp(model, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    off = torch.tensor([0, 1], device=device)
-    z = torch.zeros(1, device=device, dtype=torch.int64)
-    batch = JaggedBatch(item_ids=z, actions=z, time_buckets=z, offsets=off, cand_ids=z,
-                        cand_offsets=off, labels=torch.zeros(1, device=device), max_len=2, sum_sq_len=4)
+    z = torch.zeros(events, device=device, dtype=torch.int64)
+    batch = JaggedBatch(item_ids=z, actions=z, time_buckets=z, offsets=torch.tensor([0, events], device=device),
+                        cand_ids=z[:1], cand_offsets=torch.tensor([0, 1], device=device),
+                        labels=torch.zeros(1, device=device), max_len=events + 1, sum_sq_len=(events + 1) ** 2)
 
     clip = torch.nn.utils.clip_grad_norm_ if mesh is None else clip_grad_norm_
 
