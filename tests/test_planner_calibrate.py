@@ -154,6 +154,27 @@ def test_attention_rate_is_capped_at_the_gemm_peak(monkeypatch):
     assert rates["attention_flops"] == rates["gemm_flops"]
 
 
+def test_tiny_host_models_take_the_runs_attention_path_on_cuda_only():
+    from gemcore.planner.calibrate import _tiny_shape
+
+    # a CPU step is all host work: the narrowest model, one event
+    assert _tiny_shape(SMALL, "cpu", [300, 500]) == {"heads": SMALL.num_heads, "head_dim": 2, "events": 1}
+    # CUDA: the run's head dim (the Gluon kernels take 64 and 128 only) and its mean length,
+    # one candidate included, at most 1024 events
+    assert _tiny_shape(SMALL, "cuda", [300, 502]) == {"heads": 1, "head_dim": SMALL.qk_head_dim, "events": 400}
+    assert _tiny_shape(SMALL, "cuda", [5000])["events"] == 1024
+    assert _tiny_shape(None, "cuda", [1, 1]) == {"heads": 1, "head_dim": 128, "events": 1}
+
+
+def test_tiny_step_runs_on_a_history_of_the_given_length():
+    import torch
+
+    from gemcore.planner.calibrate import _tiny_step_s
+
+    seconds, forward, after = _tiny_step_s(1, 1, "reference", "cpu", torch.float32, head_dim=16, events=40)
+    assert seconds > 0 and 0 < forward < 1 and 0 < after < 1
+
+
 def test_measure_rejects_an_unknown_backend():
     with pytest.raises(ValueError, match="backend"):
         measure(SMALL, lengths=[3], backend="nope", size=64)

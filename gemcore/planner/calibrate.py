@@ -10,12 +10,13 @@ Everything is measured the way the run computes, in the run's dtype (bf16 on CUD
   sequences pays it), the rest the rate per counted FLOP (the planner's 3.5·H·(d_qk+d_v)·ΣL²);
 * elementwise: ``a * b`` on one micro-batch's activation (T, hidden), bytes read + written per s;
 * host overhead: one- and three-block GemModel train steps (embeddings, head, loss, clipping,
-  AdamW) on a single one-token sequence: the slope per block (per layer) and the rest (per step) —
-  the time that does not scale with size — and, from the host clock at the phase borders, the
-  forward's share of the per-layer part and the per-step part after the backward (the planner
-  plays host and GPU against each other phase by phase); under a process group the same model
-  wrapped in FSDP2 the way the run is, for what sharding adds per layer and per step beyond the
-  collectives' bytes and latencies;
+  AdamW) on one tiny sequence (on CUDA one head of the run's head dim at the run's mean length,
+  so the attention takes the run's kernels: :func:`_tiny_shape`): the slope per block (per layer)
+  and the rest (per step) — the time that does not scale with size — and, from the host clock at
+  the phase borders, the forward's share of the per-layer part and the per-step part after the
+  backward (the planner plays host and GPU against each other phase by phase); under a process
+  group the same model wrapped in FSDP2 the way the run is, for what sharding adds per layer and
+  per step beyond the collectives' bytes and latencies;
 * under a process group (``torchrun``): all-gather and reduce-scatter at the size FSDP2 moves per
   block (and at 1 KiB: the latency), and an all-reduce. Without one the link figures stay the
   GPU table's.
@@ -217,15 +218,31 @@ def _tiny_step_s(heads: int, blocks: int, backend: str, device: str, dtype: torc
     return seconds, phases[0] / total, phases[2] / total
 
 
-def _host_overheads(spec, backend: str, device: str, dtype: torch.dtype) -> dict[str, float]:
+def _tiny_shape(spec, device: str, lengths: list[int] | None) -> dict[str, int]:
+    """The tiny models' heads, head_dim and history events (:func:`_tiny_step_s`). On a CPU: the
+    spec's heads of width 2 on one event (all of a CPU step is host work; the rates cost the
+    rest). On CUDA: one head of the run's head dim on one history of the run's mean length (at
+    most 1024 events), so each layer's attention takes the kernels the run's takes (session 21: a
+    head-dim-128 layer on 300 events, the Gluon path, issued 1.9 ms of host work against the
+    width-8 one-event layer's 1.3 ms, the Triton path) while the GPU work stays far below it."""
+    if device != "cuda":
+        return {"heads": spec.num_heads if spec is not None else 4, "head_dim": 2, "events": 1}
+    mean = sum(lengths) / len(lengths) if lengths else 1
+    return {"heads": 1, "head_dim": spec.qk_head_dim if spec is not None else 128,
+            "events": max(1, min(1024, round(mean) - 1))}     # + the one candidate
+
+
+def _host_overheads(spec, backend: str, device: str, dtype: torch.dtype,
+                    shape: dict[str, int]) -> dict[str, float]:
     """Seconds of size-independent host work: per layer and per step (the slope and the rest of
-    one- and three-block models' train steps on one token, :func:`_tiny_step_s`), the forward's
-    share of the per-layer part, and the per-step part after the backward (clipping, optimizer:
-    the one-block model's, less its per-layer growth). Measured inside whole steps, as the run
-    pays them: a block timed alone would also pay the backward call's own start, which a step
-    pays once."""
-    heads = spec.num_heads if spec is not None else 4
-    (one, fwd1, after1), (three, fwd3, after3) = (_tiny_step_s(heads, n, backend, device, dtype) for n in (1, 3))
+    one- and three-block models' train steps of ``shape`` (:func:`_tiny_shape`,
+    :func:`_tiny_step_s`), the forward's share of the per-layer part, and the per-step part after
+    the backward (clipping, optimizer: the one-block model's, less its per-layer growth). Measured
+    inside whole steps, as the run pays them: a block timed alone would also pay the backward
+    call's own start, which a step pays once."""
+    (one, fwd1, after1), (three, fwd3, after3) = (
+        _tiny_step_s(shape["heads"], n, backend, device, dtype, head_dim=shape["head_dim"],
+                     events=shape["events"]) for n in (1, 3))
     layer_s = max(0.0, (three - one) / 2)
     step_s = max(0.0, one - layer_s)
     fwd_slope = (three * fwd3 - one * fwd1) / 2
@@ -236,8 +253,8 @@ def _host_overheads(spec, backend: str, device: str, dtype: torch.dtype) -> dict
             "optimizer_host_s": min(step_s, max(0.0, one * after1 - after_slope))}
 
 
-def _sharded_overheads(spec, backend: str, device: str, dtype: torch.dtype, layer_s: float,
-                       step_s: float, latency_s: float) -> tuple[float, float]:
+def _sharded_overheads(spec, backend: str, device: str, dtype: torch.dtype, shape: dict[str, int],
+                       layer_s: float, step_s: float, latency_s: float) -> tuple[float, float]:
     """(per FSDP layer, per step) seconds a data-parallel step adds beyond the collectives' bytes
     and latencies, measured under the process group on the same one-token models as
     :func:`_host_overheads`, wrapped the way the run is (FSDP2 per block and root, gemcore's
@@ -249,9 +266,9 @@ def _sharded_overheads(spec, backend: str, device: str, dtype: torch.dtype, laye
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    heads = spec.num_heads if spec is not None else 4
     mesh = init_device_mesh(device, (dist.get_world_size(),))
-    one, two = (_tiny_step_s(heads, n, backend, device, dtype, mesh)[0] for n in (1, 2))
+    one, two = (_tiny_step_s(shape["heads"], n, backend, device, dtype, mesh, head_dim=shape["head_dim"],
+                             events=shape["events"])[0] for n in (1, 2))
     per_layer = max(0.0, two - one - layer_s)
     per_step = max(0.0, one - (step_s + layer_s) - per_layer)
     # the planner costs each unit's 3 FSDP collectives (a block's, and the root's once per step);
@@ -343,7 +360,8 @@ def measure(spec=None, *, lengths: list[int] | None = None, sequences: int = 16,
     x, y = (torch.randn(numel, device=device, dtype=dtype) for _ in range(2))
     z = torch.empty_like(x)
     out["copy_bytes_per_s"] = 3 * numel * x.element_size() / _gpu_timed(lambda: torch.mul(x, y, out=z))
-    host = _host_overheads(spec, backend, device, dtype)
+    shape = _tiny_shape(spec, device, lengths)
+    host = _host_overheads(spec, backend, device, dtype, shape)
     layer_s, step_s = host["layer_s"], host["step_s"]
     out["layer_overhead_s"] = max(0.0, layer_s - per_seq)
     out["step_overhead_s"] = step_s
@@ -355,7 +373,7 @@ def measure(spec=None, *, lengths: list[int] | None = None, sequences: int = 16,
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         layer_weights = (sum(spec.layer_params) / spec.num_layers) if spec is not None else 2 ** 22
         out.update(_collectives(layer_weights * out["activation_bytes"], device))
-        fsdp_layer, dist_step = _sharded_overheads(spec, backend, device, dtype, layer_s, step_s,
+        fsdp_layer, dist_step = _sharded_overheads(spec, backend, device, dtype, shape, layer_s, step_s,
                                                    out["collective_latency_s"])
         out["fsdp_layer_overhead_s"], out["data_parallel_step_overhead_s"] = fsdp_layer, dist_step
     return out
