@@ -46,16 +46,33 @@ def launcher_env() -> dict[str, int]:
     return {"rank": rank, "world_size": world, "local_rank": local_rank, "local_world_size": local_world}
 
 
-def init_process_group(env: dict[str, int]) -> bool:
-    """Join the launcher's default process group; False when one already exists (not ours)."""
+def run_device() -> str:
+    """The device the run trains on: its config's ``run.device``; without a run config (the
+    planner's own tools), CUDA where there is a GPU."""
+    run_config = _RUN_CONFIG.get("config")
+    if run_config is not None:
+        return run_config.run.device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_process_group(env: dict[str, int], device: str) -> bool:
+    """Join the launcher's default process group (NCCL for ``device`` "cuda", else gloo); False
+    when one already exists (not ours). On CUDA each local rank takes the GPU of its index, so
+    more local ranks than visible GPUs is a ValueError naming both counts."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         return False
     os.environ.setdefault("MASTER_ADDR", "localhost")
     os.environ.setdefault("MASTER_PORT", "29500")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "nccl" if device == "cuda" else "gloo"
     if backend == "nccl":
+        visible = torch.cuda.device_count()
+        if env["local_rank"] >= visible:
+            raise ValueError(
+                f"run.device = 'cuda': {env['local_world_size']} processes were launched on this "
+                f"node but {visible} CUDA device(s) are visible (local rank {env['local_rank']} has "
+                f"none); launch at most {visible} per node, or train with run.device = 'cpu' (gloo)")
         torch.cuda.set_device(env["local_rank"])
     dist.init_process_group(backend, rank=env["rank"], world_size=env["world_size"])
     return True
@@ -63,11 +80,13 @@ def init_process_group(env: dict[str, int]) -> bool:
 
 class PlannedParallelism(Parallelism):
     """Applies ``plan`` with :func:`gemcore.planner.apply.apply_plan`; ``rank``/``world_size`` are
-    this process's data-parallel coordinates (tp ranks of one group read the same samples)."""
+    this process's data-parallel coordinates (tp ranks of one group read the same samples).
+    ``device`` ("cpu" or "cuda") picks the process group's backend and the mesh's device; by
+    default the run's ``run.device`` (:func:`run_device`)."""
 
     name = "planned"
 
-    def __init__(self, plan: Plan, env: dict[str, int]):
+    def __init__(self, plan: Plan, env: dict[str, int], device: str | None = None):
         from gemcore.planner.apply import check_supported
 
         missing = check_supported(plan)
@@ -83,8 +102,9 @@ class PlannedParallelism(Parallelism):
         if env["world_size"] > 1:
             from gemcore.planner.apply import build_mesh, data_parallel_coordinates
 
-            self._owns_group = init_process_group(env)
-            self.mesh = build_mesh(plan, "cuda" if torch.cuda.is_available() else "cpu")
+            device = device or run_device()
+            self._owns_group = init_process_group(env, device)
+            self.mesh = build_mesh(plan, device)
             self.rank, self.world_size = data_parallel_coordinates(self.mesh)
 
     def apply(self, model: nn.Module, device: torch.device) -> nn.Module:

@@ -101,6 +101,35 @@ def test_plugin_registers_its_names():
         assert impl is not None
 
 
+def test_cuda_run_with_more_local_ranks_than_gpus_is_refused_by_name():
+    from gemcore.plugins.parallel_planned import init_process_group
+
+    visible = torch.cuda.device_count()
+    env = {"rank": visible, "world_size": visible + 1, "local_rank": visible, "local_world_size": visible + 1}
+    with pytest.raises(ValueError, match=rf"run.device = 'cuda'.*{visible + 1} processes.*{visible} CUDA device"):
+        init_process_group(env, "cuda")
+
+
+def test_the_process_group_follows_the_runs_device_not_the_machine(monkeypatch):
+    """A CPU run on a machine with a GPU (the CPU tests under mpirun there) joins with gloo."""
+    import torch.distributed as dist
+
+    from gemcore.config import Config
+    from gemcore.plugins import parallel_planned
+
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append(backend))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(parallel_planned._RUN_CONFIG, "config", Config())   # run.device = "cpu"
+    assert parallel_planned.run_device() == "cpu"
+    assert parallel_planned.init_process_group({"rank": 0, "world_size": 2, "local_rank": 0,
+                                                "local_world_size": 2}, parallel_planned.run_device())
+    assert calls == ["gloo"]
+    monkeypatch.delitem(parallel_planned._RUN_CONFIG, "config")
+    assert parallel_planned.run_device() == "cuda"        # no run config: the machine's GPU
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_smoke_refuses_cuda_without_a_gpu(capsys):
     with pytest.raises(SystemExit) as exc:

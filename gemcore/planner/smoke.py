@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     plan = Plan.parse(args.degrees) if args.degrees else Plan(dp_shard=env["world_size"])
-    par = PlannedParallelism(plan, env)
+    par = PlannedParallelism(plan, env, device=args.device)
     cfg = ModelConfig(num_items=300, hidden=args.hidden, num_blocks=args.blocks, num_heads=4, mlp_ratio=2,
                       moe_experts=args.experts, moe_top_k=2)
     torch.manual_seed(0)
