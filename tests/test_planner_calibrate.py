@@ -177,6 +177,18 @@ def test_tiny_step_runs_on_a_history_of_the_given_length():
     assert seconds > 0 and 0 < forward < 1 and 0 < after < 1
 
 
+def test_phase_shares_leave_out_the_warm_up_call_and_on_cuda_an_outlier():
+    from gemcore.planner.calibrate import _phase_shares
+
+    warm_up = (5.0, 1.0, 1.0)                         # compiling in the forward
+    calls = [warm_up] + [(1.0, 2.0, 1.0)] * 4 + [(1.0, 2.0, 9.0)]   # one call lost its core after
+    forward, after = _phase_shares(calls, robust=False)
+    assert (forward, after) == pytest.approx((5 / 28, 13 / 28))   # sums: the outlier counts
+    forward, after = _phase_shares(calls, robust=True)
+    assert (forward, after) == pytest.approx((0.25, 0.25))        # medians: it does not
+    assert _phase_shares([warm_up], robust=False) == pytest.approx((5 / 7, 1 / 7))   # nothing else
+
+
 def test_measure_rejects_an_unknown_backend():
     with pytest.raises(ValueError, match="backend"):
         measure(SMALL, lengths=[3], backend="nope", size=64)

@@ -192,7 +192,7 @@ def _tiny_step_s(heads: int, blocks: int, backend: str, device: str, dtype: torc
 
     clip = torch.nn.utils.clip_grad_norm_ if mesh is None else clip_grad_norm_
 
-    phases = [0.0, 0.0, 0.0]                       # forward, backward, after (summed over calls)
+    phases: list[tuple[float, float, float]] = []  # (forward, backward, after) of each call
 
     def step():
         t0 = time.perf_counter()
@@ -206,16 +206,27 @@ def _tiny_step_s(heads: int, blocks: int, backend: str, device: str, dtype: torc
         if mesh is not None:
             dist.all_reduce(loss.detach())
         t3 = time.perf_counter()
-        for i, dt in enumerate((t1 - t0, t2 - t1, t3 - t2)):
-            phases[i] += dt
+        phases.append((t1 - t0, t2 - t1, t3 - t2))
 
     if mesh is None:
         seconds = _timed(step, repeats=21)
     else:
         dist.barrier()
         seconds = _timed(step, repeats=21, budget_s=0.0)   # the same call count on every rank
-    total = sum(phases) or 1.0
-    return seconds, phases[0] / total, phases[2] / total
+    return (seconds, *_phase_shares(phases, robust=torch.cuda.is_available()))
+
+
+def _phase_shares(calls: list[tuple[float, float, float]], robust: bool) -> tuple[float, float]:
+    """(forward's, after-backward's) share of a step's host time, from each call's (forward,
+    backward, after) seconds. The first call is left out: it is :func:`_timed`'s warm-up, which
+    compiles kernels and allocates (it had made the forward's share anywhere from 0.18 to 0.57 on
+    the H200, session 21). ``robust`` (CUDA, where :func:`_timed` takes the median): each phase's
+    median; else (a CPU's mean over the window) their sums."""
+    timed = calls[1:] or calls
+    columns = list(zip(*timed))
+    per_phase = [float(np.median(c)) if robust else sum(c) for c in columns]
+    total = sum(per_phase) or 1.0
+    return per_phase[0] / total, per_phase[2] / total
 
 
 def _tiny_shape(spec, device: str, lengths: list[int] | None) -> dict[str, int]:
