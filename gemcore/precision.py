@@ -39,3 +39,27 @@ class AutocastPolicy(PrecisionPolicy):
 
     def autocast(self, device_type: str) -> ContextManager:
         return torch.autocast(device_type=device_type, dtype=self.compute_dtype)
+
+
+def denormals_flushed() -> bool:
+    """Whether this thread's CPU float arithmetic treats subnormal numbers as zero (FTZ/DAZ)."""
+    subnormal = torch.tensor(1e-39, dtype=torch.float32)       # below float32's 1.18e-38
+    return bool(subnormal * 1.0 == 0.0)
+
+
+@contextlib.contextmanager
+def flush_denormals(enabled: bool = True):
+    """Inside the block, CPU float arithmetic treats subnormal inputs and results as zero
+    (``torch.set_flush_denormal``: x86 FTZ/DAZ); the previous mode is restored on exit.
+
+    Training on a CPU drifts into subnormal values (softmax and SiLU tails, squared small
+    gradients), whose arithmetic takes a slow path: a hidden-512 GemModel's fp32 step ran 30 %
+    slower for it (session 21). Values below 1.18e-38 become 0, which no float32 training result
+    can tell apart. No effect on CUDA kernels; ``enabled=False`` or a CPU without the mode: nothing
+    changes."""
+    switch = enabled and not denormals_flushed() and torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        if switch:
+            torch.set_flush_denormal(False)

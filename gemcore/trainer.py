@@ -31,6 +31,7 @@ from gemcore.data import JaggedDataset, load_user_data, make_synthetic
 from gemcore.metrics import auc, peak_flops
 from gemcore.model import GemModel, click_loss
 from gemcore.plugin_manager import GemPluginManager, PluginError
+from gemcore.precision import flush_denormals
 
 CHECKPOINT_NAME = "checkpoint.pt"
 
@@ -507,11 +508,12 @@ def run_training(config: Config, manager: GemPluginManager, *, resume: str | Non
         trainer.load_state_dict(state, ckpt_path)
     if trainer.is_main:
         (run_dir / "config.toml").write_text(config.to_toml())
-    t0 = time.perf_counter()
-    rows, stopped = trainer.fit(progress, stop_after)
-    wall_s = time.perf_counter() - t0
-    trainer.save()
-    auc_value = trainer.evaluate(config.run.eval_users)
+    with flush_denormals(config.run.flush_denormals):
+        t0 = time.perf_counter()
+        rows, stopped = trainer.fit(progress, stop_after)
+        wall_s = time.perf_counter() - t0
+        trainer.save()
+        auc_value = trainer.evaluate(config.run.eval_users)
     summary = trainer.summarize(rows, wall_s, auc_value, stopped)
     if trainer.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from gemcore.model import GemModel
     from gemcore.planner.plan import Plan
     from gemcore.plugins.parallel_planned import PlannedParallelism, launcher_env
+    from gemcore.precision import flush_denormals
 
     env = launcher_env()
     if args.device == "cuda" and (env["world_size"] > 1 or not torch.cuda.is_available()):
@@ -109,19 +110,20 @@ def main(argv: list[str] | None = None) -> int:
         issued.append({"forward": t1 - t0, "backward": t2 - t1, "after": t3 - t2})
         return loss, None if norm is None else float(norm), seconds
 
-    if args.predict:
-        # one untimed pass over the same batches first: Triton compiles a kernel variant for each new
-        # length's divisibility, which is not the steady state the planner predicts
-        for step in range(args.steps):
-            train_step(step)
     losses, grad_norms, step_s = [], [], []
-    issued.clear()
-    for step in range(args.steps):
-        loss, norm, seconds = train_step(step)
-        losses.append(loss)
-        step_s.append(seconds)
-        if norm is not None:
-            grad_norms.append(norm)
+    with flush_denormals():                       # as gem train runs its steps (run.flush_denormals)
+        if args.predict:
+            # one untimed pass over the same batches first: Triton compiles a kernel variant for each
+            # new length's divisibility, which is not the steady state the planner predicts
+            for step in range(args.steps):
+                train_step(step)
+        issued.clear()
+        for step in range(args.steps):
+            loss, norm, seconds = train_step(step)
+            losses.append(loss)
+            step_s.append(seconds)
+            if norm is not None:
+                grad_norms.append(norm)
     out = {"plan": par.describe(), "losses": losses, "grad_norms": grad_norms}
     if args.mx:
         from gemcore.kernels.mx_fsdp import MXShardedWeight
