@@ -273,8 +273,8 @@ def test_flush_denormals_holds_inside_and_restores_the_previous_mode():
     with flush_denormals():
         assert denormals_flushed() and tiny * 1.0 == 0
         with flush_denormals():                          # nested: the outer block keeps it on
-            pass
-        assert denormals_flushed()
+            assert denormals_flushed()
+        assert denormals_flushed()                       # the inner exit did not switch it off
     assert not denormals_flushed()
     with flush_denormals(enabled=False):
         assert not denormals_flushed()

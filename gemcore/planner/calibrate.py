@@ -180,15 +180,18 @@ def _tiny_step_s(heads: int, blocks: int, backend: str, device: str, dtype: torc
     from gemcore.planner.apply import apply_fsdp, clip_grad_norm_
 
     torch.manual_seed(0)
-    cfg = ModelConfig(num_items=16, hidden=head_dim * heads, num_blocks=blocks, num_heads=heads, mlp_ratio=2)
+    cfg = ModelConfig(num_items=16, hidden=head_dim * heads, num_blocks=blocks, num_heads=heads,
+                      mlp_ratio=2)
     model = GemModel(cfg, make_attention(AttentionConfig(), backend=backend)).to(device=device, dtype=dtype)
     if mesh is not None:
         model = apply_fsdp(model, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     z = torch.zeros(events, device=device, dtype=torch.int64)
-    batch = JaggedBatch(item_ids=z, actions=z, time_buckets=z, offsets=torch.tensor([0, events], device=device),
-                        cand_ids=z[:1], cand_offsets=torch.tensor([0, 1], device=device),
-                        labels=torch.zeros(1, device=device), max_len=events + 1, sum_sq_len=(events + 1) ** 2)
+    batch = JaggedBatch(item_ids=z, actions=z, time_buckets=z,
+                        offsets=torch.tensor([0, events], device=device), cand_ids=z[:1],
+                        cand_offsets=torch.tensor([0, 1], device=device),
+                        labels=torch.zeros(1, device=device), max_len=events + 1,
+                        sum_sq_len=(events + 1) ** 2)
 
     clip = torch.nn.utils.clip_grad_norm_ if mesh is None else clip_grad_norm_
 
@@ -243,8 +246,7 @@ def _tiny_shape(spec, device: str, lengths: list[int] | None) -> dict[str, int]:
             "events": max(1, min(1024, round(mean) - 1))}     # + the one candidate
 
 
-def _host_overheads(spec, backend: str, device: str, dtype: torch.dtype,
-                    shape: dict[str, int]) -> dict[str, float]:
+def _host_overheads(backend: str, device: str, dtype: torch.dtype, shape: dict[str, int]) -> dict[str, float]:
     """Seconds of size-independent host work: per layer and per step (the slope and the rest of
     one- and three-block models' train steps of ``shape`` (:func:`_tiny_shape`,
     :func:`_tiny_step_s`), the forward's share of the per-layer part, and the per-step part after
@@ -252,8 +254,7 @@ def _host_overheads(spec, backend: str, device: str, dtype: torch.dtype,
     inside whole steps, as the run pays them: a block timed alone would also pay the backward
     call's own start, which a step pays once."""
     (one, fwd1, after1), (three, fwd3, after3) = (
-        _tiny_step_s(shape["heads"], n, backend, device, dtype, head_dim=shape["head_dim"],
-                     events=shape["events"]) for n in (1, 3))
+        _tiny_step_s(blocks=n, backend=backend, device=device, dtype=dtype, **shape) for n in (1, 3))
     layer_s = max(0.0, (three - one) / 2)
     step_s = max(0.0, one - layer_s)
     fwd_slope = (three * fwd3 - one * fwd1) / 2
@@ -264,10 +265,10 @@ def _host_overheads(spec, backend: str, device: str, dtype: torch.dtype,
             "optimizer_host_s": min(step_s, max(0.0, one * after1 - after_slope))}
 
 
-def _sharded_overheads(spec, backend: str, device: str, dtype: torch.dtype, shape: dict[str, int],
+def _sharded_overheads(backend: str, device: str, dtype: torch.dtype, shape: dict[str, int],
                        layer_s: float, step_s: float, latency_s: float) -> tuple[float, float]:
     """(per FSDP layer, per step) seconds a data-parallel step adds beyond the collectives' bytes
-    and latencies, measured under the process group on the same one-token models as
+    and latencies, measured under the process group on the same tiny models as
     :func:`_host_overheads`, wrapped the way the run is (FSDP2 per block and root, gemcore's
     clipping, the loss averaged over the ranks): one- and two-block models give the per-layer
     part (FSDP2's hooks, copy-in/copy-out, stream waits) and the rest per step. ``layer_s`` and
@@ -278,8 +279,8 @@ def _sharded_overheads(spec, backend: str, device: str, dtype: torch.dtype, shap
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device, (dist.get_world_size(),))
-    one, two = (_tiny_step_s(shape["heads"], n, backend, device, dtype, mesh, head_dim=shape["head_dim"],
-                             events=shape["events"])[0] for n in (1, 2))
+    one, two = (_tiny_step_s(blocks=n, backend=backend, device=device, dtype=dtype, mesh=mesh, **shape)[0]
+                for n in (1, 2))
     per_layer = max(0.0, two - one - layer_s)
     per_step = max(0.0, one - (step_s + layer_s) - per_layer)
     # the planner costs each unit's 3 FSDP collectives (a block's, and the root's once per step);
@@ -372,7 +373,7 @@ def measure(spec=None, *, lengths: list[int] | None = None, sequences: int = 16,
     z = torch.empty_like(x)
     out["copy_bytes_per_s"] = 3 * numel * x.element_size() / _gpu_timed(lambda: torch.mul(x, y, out=z))
     shape = _tiny_shape(spec, device, lengths)
-    host = _host_overheads(spec, backend, device, dtype, shape)
+    host = _host_overheads(backend, device, dtype, shape)
     layer_s, step_s = host["layer_s"], host["step_s"]
     out["layer_overhead_s"] = max(0.0, layer_s - per_seq)
     out["step_overhead_s"] = step_s
@@ -384,7 +385,7 @@ def measure(spec=None, *, lengths: list[int] | None = None, sequences: int = 16,
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         layer_weights = (sum(spec.layer_params) / spec.num_layers) if spec is not None else 2 ** 22
         out.update(_collectives(layer_weights * out["activation_bytes"], device))
-        fsdp_layer, dist_step = _sharded_overheads(spec, backend, device, dtype, shape, layer_s, step_s,
+        fsdp_layer, dist_step = _sharded_overheads(backend, device, dtype, shape, layer_s, step_s,
                                                    out["collective_latency_s"])
         out["fsdp_layer_overhead_s"], out["data_parallel_step_overhead_s"] = fsdp_layer, dist_step
     return out
