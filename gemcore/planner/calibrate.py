@@ -193,7 +193,7 @@ def _tiny_step_s(heads: int, blocks: int, backend: str, device: str, dtype: torc
                         labels=torch.zeros(1, device=device), max_len=events + 1,
                         sum_sq_len=(events + 1) ** 2)
 
-    clip = torch.nn.utils.clip_grad_norm_ if mesh is None else clip_grad_norm_
+    clip = clip_grad_norm_        # the planned run's (PlannedParallelism.clip_grad_norm_)
 
     phases: list[tuple[float, float, float]] = []  # (forward, backward, after) of each call
 
