@@ -39,6 +39,27 @@ def test_host_overhead_adds_on_a_synchronous_device_and_hides_behind_gpu_compute
     assert math.isclose(shows.step_time_s, base.step_time_s + expected - base.compute_s, rel_tol=1e-9)
 
 
+def test_the_optimizers_per_layer_host_time_falls_after_the_backward_once_per_step():
+    """``optimizer_layer_s`` is the part of ``layer_overhead_s`` spent on each layer's parameters
+    after the backward: it moves from the forward/backward to the after phase, and with several
+    micro-batches it is paid once, not once per micro-batch."""
+    plan = Plan(dp_shard=1, mbs=4)
+    fields = {"layer_overhead_s": 1e-3, "sequence_overhead_s": 2e-4, "step_overhead_s": 5e-3,
+              "optimizer_host_s": 1e-3, "host_synchronous": True}
+    without = estimate(SMALL, _cpu_cluster(**fields), plan, global_batch=8)
+    moved = estimate(SMALL, _cpu_cluster(optimizer_layer_s=4e-4, **fields), plan, global_batch=8)
+    n_mb, layers = without.num_microbatches, SMALL.num_layers
+    assert n_mb == 2
+    assert moved.host_issue_s["after"] == pytest.approx(without.host_issue_s["after"] + layers * 4e-4)
+    before_backward_end = moved.host_issue_s["forward"] + moved.host_issue_s["backward"]
+    assert before_backward_end == pytest.approx(without.host_issue_s["forward"] + without.host_issue_s["backward"]
+                                                - n_mb * layers * 4e-4)
+    assert without.host_overhead_s - moved.host_overhead_s == pytest.approx((n_mb - 1) * layers * 4e-4)
+    # never more than the per-layer time it is a part of
+    capped = estimate(SMALL, _cpu_cluster(**{**fields, "optimizer_layer_s": 1.0}), plan, global_batch=8)
+    assert capped.host_issue_s["after"] == pytest.approx(without.host_issue_s["after"] + layers * 1e-3)
+
+
 def test_gpu_done_matches_a_phase_by_phase_simulation():
     """The closed form against the phase loop it stands for, on random host and GPU times."""
     import random
@@ -133,11 +154,13 @@ def test_measure_on_this_machine_and_calibrated_rates_reach_the_cost_model():
     assert rates["activation_bytes"] == (2.0 if cuda else 4.0)      # bf16 there, fp32 on a CPU
     assert 0.0 <= rates["forward_host_share"] <= 1.0
     assert 0.0 <= rates["optimizer_host_s"] <= rates["step_overhead_s"]
+    assert 0.0 <= rates["optimizer_layer_s"] <= rates["layer_overhead_s"]
     cluster, summary = calibrate_cluster(make_cluster("h100", 1, 1), rates, spec=SMALL)
     g = cluster.gpu
     assert g.activation_bytes == rates["activation_bytes"] and g.host_synchronous == (not cuda)
     assert g.layer_overhead_s == rates["layer_overhead_s"]
-    assert (g.forward_host_share, g.optimizer_host_s) == (rates["forward_host_share"], rates["optimizer_host_s"])
+    assert (g.forward_host_share, g.optimizer_host_s, g.optimizer_layer_s) == (
+        rates["forward_host_share"], rates["optimizer_host_s"], rates["optimizer_layer_s"])
     # the planner's GEMM rate at the model's thinnest side equals the rate measured on its layers
     rate = cluster.sustained_peak_flops * g.gemm_efficiency * _gemm_shape_factor(32)
     assert math.isclose(rate, rates["gemm_flops_model"], rel_tol=1e-9)

@@ -249,19 +249,23 @@ def _tiny_shape(spec, device: str, lengths: list[int] | None) -> dict[str, int]:
 def _host_overheads(backend: str, device: str, dtype: torch.dtype, shape: dict[str, int]) -> dict[str, float]:
     """Seconds of size-independent host work: per layer and per step (the slope and the rest of
     one- and three-block models' train steps of ``shape`` (:func:`_tiny_shape`,
-    :func:`_tiny_step_s`), the forward's share of the per-layer part, and the per-step part after
-    the backward (clipping, optimizer: the one-block model's, less its per-layer growth). Measured
+    :func:`_tiny_step_s`), the forward's share of the host time before the backward ends, and the
+    part after the backward (clipping, optimizer) per layer (its growth with the block count) and
+    per step (the one-block model's, less that growth). Measured
     inside whole steps, as the run pays them: a block timed alone would also pay the backward
     call's own start, which a step pays once."""
-    (one, fwd1, after1), (three, fwd3, after3) = (
+    (one, _, after1), (three, fwd3, after3) = (
         _tiny_step_s(blocks=n, backend=backend, device=device, dtype=dtype, **shape) for n in (1, 3))
     layer_s = max(0.0, (three - one) / 2)
     step_s = max(0.0, one - layer_s)
-    fwd_slope = (three * fwd3 - one * fwd1) / 2
-    after_slope = (three * after3 - one * after1) / 2
-    share = min(1.0, max(0.0, fwd_slope / layer_s)) if layer_s > 0 else 0.5
+    after_slope = min(layer_s, max(0.0, (three * after3 - one * after1) / 2))
+    # the forward's share of the three-block step's host time before the backward ends: a ratio of
+    # two whole phases, steadier than the ratio of per-layer slopes (a difference of noisy figures,
+    # it had read 0.25-0.62 on identical H200 runs in session 21)
+    share = min(1.0, max(0.0, fwd3 / (1.0 - after3))) if after3 < 1.0 else 0.5
     # (each layer includes one attention call on one sequence: the caller subtracts its per-sequence part)
     return {"layer_s": layer_s, "step_s": step_s, "forward_host_share": share,
+            "optimizer_layer_s": after_slope,
             "optimizer_host_s": min(step_s, max(0.0, one * after1 - after_slope))}
 
 
@@ -325,7 +329,7 @@ def measure(spec=None, *, lengths: list[int] | None = None, sequences: int = 16,
     ``seq_len``; on a CPU at most 8 sequences of at most 1024 tokens, so a large preset stays
     measurable: the reference attention holds an L×L score matrix per head). Returns gemm_flops (square), gemm_flops_model, attention_flops (per counted
     FLOP), sequence_overhead_s, copy_bytes_per_s, layer_overhead_s, step_overhead_s,
-    forward_host_share, optimizer_host_s, activation_bytes and, under a process group, collective_latency_s, fsdp_busbw,
+    forward_host_share, optimizer_host_s, optimizer_layer_s, activation_bytes and, under a process group, collective_latency_s, fsdp_busbw,
     allreduce_busbw."""
     device, dtype = _device_dtype(dtype)
     if backend == "auto":
@@ -379,6 +383,7 @@ def measure(spec=None, *, lengths: list[int] | None = None, sequences: int = 16,
     out["step_overhead_s"] = step_s
     out["forward_host_share"] = host["forward_host_share"]
     out["optimizer_host_s"] = host["optimizer_host_s"]
+    out["optimizer_layer_s"] = min(host["optimizer_layer_s"], out["layer_overhead_s"])
     out["activation_bytes"] = float(torch.empty(0, dtype=dtype).element_size())
     import torch.distributed as dist
 
@@ -428,6 +433,7 @@ def calibrate_cluster(cluster: Cluster, rates: dict[str, float] | None = None, *
         data_parallel_step_overhead_s=rates.get("data_parallel_step_overhead_s", 0.0),
         forward_host_share=rates.get("forward_host_share", 0.5),
         optimizer_host_s=rates.get("optimizer_host_s", 0.0),
+        optimizer_layer_s=rates.get("optimizer_layer_s", 0.0),
         host_synchronous=not torch.cuda.is_available(),
         comm_overlaps_compute=torch.cuda.is_available() or _spare_cores())
     bus = rates.get("fsdp_busbw", rates.get("allreduce_busbw"))

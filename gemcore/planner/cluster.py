@@ -62,11 +62,13 @@ class GpuKind:
     #: process group): per FSDP-sharded layer and micro-batch (hooks, copy-in/out), and per step
     fsdp_layer_overhead_s: float = 0.0
     data_parallel_step_overhead_s: float = 0.0
-    #: how that host time falls in the step (``--calibrate`` measures it): the share of the per-layer
-    #: and per-sequence time spent issuing the forward (the rest: the backward), and the part of the
-    #: per-step time spent after the backward (clipping, optimizer)
+    #: how that host time falls in the step (``--calibrate`` measures it): the forward's share of the
+    #: time issued before the backward ends (the rest: the backward); the part of the per-step time
+    #: spent after the backward (clipping, optimizer), and of the per-layer time (the same work on
+    #: each layer's parameters, once per step however many micro-batches)
     forward_host_share: float = 0.5
     optimizer_host_s: float = 0.0
+    optimizer_layer_s: float = 0.0
     #: the device runs each op before the host issues the next (CPU): host overhead adds to compute;
     #: otherwise (GPU, asynchronous launches) only the part above the compute time shows
     host_synchronous: bool = False

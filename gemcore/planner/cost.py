@@ -462,10 +462,12 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
     # size-independent host time (Python, dispatcher, per-sequence attention loops): it adds to the
     # compute on a synchronous device; on a GPU only what the asynchronous launches cannot hide
     # shows, phase by phase (:func:`gpu_done_s`)
-    layers_host = n_mb * stage_layers * (g.layer_overhead_s + plan.mbs * g.sequence_overhead_s
+    optimizer_layer = min(g.optimizer_layer_s, g.layer_overhead_s)  # a part of the per-layer time
+    layers_host = n_mb * stage_layers * (g.layer_overhead_s - optimizer_layer + plan.mbs * g.sequence_overhead_s
                                          + (g.fsdp_layer_overhead_s if fsdp_n > 1 else 0.0))
     optimizer_host = min(g.optimizer_host_s, g.step_overhead_s)     # a part of the per-step time
-    after_host = optimizer_host + (g.data_parallel_step_overhead_s if cluster.gpus > 1 else 0.0)
+    after_host = (optimizer_host + stage_layers * optimizer_layer
+                  + (g.data_parallel_step_overhead_s if cluster.gpus > 1 else 0.0))
     issue_host = layers_host + g.step_overhead_s - optimizer_host
     share = g.forward_host_share
     host_issue = {"forward": share * issue_host, "backward": (1 - share) * issue_host, "after": after_host}
