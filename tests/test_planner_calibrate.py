@@ -196,20 +196,23 @@ def test_tiny_step_runs_on_a_history_of_the_given_length():
 
     from gemcore.planner.calibrate import _tiny_step_s
 
-    seconds, forward, after = _tiny_step_s(1, 1, "reference", "cpu", torch.float32, head_dim=16, events=40)
+    seconds, forward, after, wall_over_issued = _tiny_step_s(1, 1, "reference", "cpu", torch.float32,
+                                                             head_dim=16, events=40)
     assert seconds > 0 and 0 < forward < 1 and 0 < after < 1
+    assert 0.5 < wall_over_issued < 2.0      # a CPU step is all host work: its wall time is what it issued
 
 
-def test_phase_shares_leave_out_the_warm_up_call_and_on_cuda_an_outlier():
-    from gemcore.planner.calibrate import _phase_shares
+def test_phase_summary_leaves_out_the_warm_up_call_and_on_cuda_an_outlier():
+    from gemcore.planner.calibrate import _phase_summary
 
     warm_up = (5.0, 1.0, 1.0)                         # compiling in the forward
     calls = [warm_up] + [(1.0, 2.0, 1.0)] * 4 + [(1.0, 2.0, 9.0)]   # one call lost its core after
-    forward, after = _phase_shares(calls, robust=False)
-    assert (forward, after) == pytest.approx((5 / 28, 13 / 28))   # sums: the outlier counts
-    forward, after = _phase_shares(calls, robust=True)
-    assert (forward, after) == pytest.approx((0.25, 0.25))        # medians: it does not
-    assert _phase_shares([warm_up], robust=False) == pytest.approx((5 / 7, 1 / 7))   # nothing else
+    issued, forward, after = _phase_summary(calls, robust=False)
+    assert (issued, forward, after) == pytest.approx((28 / 5, 5 / 28, 13 / 28))   # means: the outlier counts
+    issued, forward, after = _phase_summary(calls, robust=True)
+    assert (issued, forward, after) == pytest.approx((4.0, 0.25, 0.25))        # medians: it does not
+    assert _phase_summary([warm_up], robust=False) == pytest.approx((7.0, 5 / 7, 1 / 7))   # nothing else
+    assert _phase_summary([warm_up, (0.0, 0.0, 0.0)], robust=True) == (0.0, 0.0, 0.0)
 
 
 def test_measure_rejects_an_unknown_backend():

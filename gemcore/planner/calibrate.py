@@ -165,12 +165,16 @@ def _attention_times(lengths: list[int], targets: int, heads: int, head_dim: int
 
 
 def _tiny_step_s(heads: int, blocks: int, backend: str, device: str, dtype: torch.dtype,
-                 mesh=None, head_dim: int = 2, events: int = 1) -> tuple[float, float, float]:
-    """(seconds per step, forward's share, share after the backward) of one train step (loss,
-    backward, clipping, AdamW) of a ``blocks``-block GemModel of width heads·head_dim on one user
-    with ``events`` history events and one candidate: host work only (its launches outrun
-    nothing, so the host clock at the phase borders needs no sync). With ``mesh``: wrapped in
-    FSDP2 the way the run is, gemcore's clipping, the loss all-reduced."""
+                 mesh=None, head_dim: int = 2, events: int = 1) -> tuple[float, float, float, float]:
+    """(seconds per step, forward's share, share after the backward, wall ÷ issued) of one train
+    step (loss, backward, clipping, AdamW) of a ``blocks``-block GemModel of width heads·head_dim
+    on one user with ``events`` history events and one candidate. With ``mesh``: wrapped in FSDP2
+    the way the run is, gemcore's clipping, the loss all-reduced.
+
+    On CUDA the seconds are the host's issuing time, read at the phase borders with no wait for
+    the GPU, as the run's host overhead is (the smoke's ``host_issued_s_measured``): the synced
+    wall time per call also holds the tiny kernels' own GPU time, the part of the step that the
+    calibrated GPU rates already cost. On a CPU (synchronous) it is the wall time."""
     import torch.distributed as dist
 
     from gemcore.config import AttentionConfig, ModelConfig
@@ -216,20 +220,24 @@ def _tiny_step_s(heads: int, blocks: int, backend: str, device: str, dtype: torc
     else:
         dist.barrier()
         seconds = _timed(step, repeats=21, budget_s=0.0)   # the same call count on every rank
-    return (seconds, *_phase_shares(phases, robust=torch.cuda.is_available()))
+    cuda = torch.cuda.is_available()
+    issued, forward, after = _phase_summary(phases, robust=cuda)
+    return (issued if cuda else seconds), forward, after, seconds / max(issued, 1e-12)
 
 
-def _phase_shares(calls: list[tuple[float, float, float]], robust: bool) -> tuple[float, float]:
-    """(forward's, after-backward's) share of a step's host time, from each call's (forward,
-    backward, after) seconds. The first call is left out: it is :func:`_timed`'s warm-up, which
-    compiles kernels and allocates (it had made the forward's share anywhere from 0.18 to 0.57 on
-    the H200, session 21). ``robust`` (CUDA, where :func:`_timed` takes the median): each phase's
-    median; else (a CPU's mean over the window) their sums."""
+def _phase_summary(calls: list[tuple[float, float, float]], robust: bool) -> tuple[float, float, float]:
+    """(host seconds issued per call, forward's share, after-backward's share) from each call's
+    (forward, backward, after) seconds. The first call is left out: it is :func:`_timed`'s warm-up,
+    which compiles kernels and allocates (it had made the forward's share anywhere from 0.18 to
+    0.57 on the H200, session 21). ``robust`` (CUDA, where :func:`_timed` takes the median): each
+    phase's median; else (a CPU's mean over the window) their means."""
     timed = calls[1:] or calls
     columns = list(zip(*timed))
-    per_phase = [float(np.median(c)) if robust else sum(c) for c in columns]
-    total = sum(per_phase) or 1.0
-    return per_phase[0] / total, per_phase[2] / total
+    per_phase = [float(np.median(c)) if robust else sum(c) / len(c) for c in columns]
+    total = sum(per_phase)
+    if total <= 0:
+        return 0.0, 0.0, 0.0
+    return total, per_phase[0] / total, per_phase[2] / total
 
 
 def _tiny_shape(spec, device: str, lengths: list[int] | None) -> dict[str, int]:
@@ -254,7 +262,7 @@ def _host_overheads(backend: str, device: str, dtype: torch.dtype, shape: dict[s
     per step (the one-block model's, less that growth). Measured
     inside whole steps, as the run pays them: a block timed alone would also pay the backward
     call's own start, which a step pays once."""
-    (one, _, after1), (three, fwd3, after3) = (
+    (one, _, after1, _), (three, fwd3, after3, wall_over_issued) = (
         _tiny_step_s(blocks=n, backend=backend, device=device, dtype=dtype, **shape) for n in (1, 3))
     layer_s = max(0.0, (three - one) / 2)
     step_s = max(0.0, one - layer_s)
@@ -265,7 +273,7 @@ def _host_overheads(backend: str, device: str, dtype: torch.dtype, shape: dict[s
     share = min(1.0, max(0.0, fwd3 / (1.0 - after3))) if after3 < 1.0 else 0.5
     # (each layer includes one attention call on one sequence: the caller subtracts its per-sequence part)
     return {"layer_s": layer_s, "step_s": step_s, "forward_host_share": share,
-            "optimizer_layer_s": after_slope,
+            "optimizer_layer_s": after_slope, "tiny_wall_over_issued": wall_over_issued,
             "optimizer_host_s": min(step_s, max(0.0, one * after1 - after_slope))}
 
 
@@ -384,6 +392,7 @@ def measure(spec=None, *, lengths: list[int] | None = None, sequences: int = 16,
     out["forward_host_share"] = host["forward_host_share"]
     out["optimizer_host_s"] = host["optimizer_host_s"]
     out["optimizer_layer_s"] = min(host["optimizer_layer_s"], out["layer_overhead_s"])
+    out["tiny_wall_over_issued"] = host["tiny_wall_over_issued"]     # a diagnostic, for the record
     out["activation_bytes"] = float(torch.empty(0, dtype=dtype).element_size())
     import torch.distributed as dist
 
