@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Session 22, second GPU call: the planner's one-GPU rows after the foreach clip (1295228) and the
-# per-layer after-backward host phase (optimizer_layer_s); the calibration and clip tests on CUDA.
+# Session 22, GPU calls 2 and 3: the planner's one-GPU rows after the foreach clip (1295228), the
+# per-layer after-backward host phase (optimizer_layer_s) and (call 3) host overheads as issued host time; the calibration and clip tests on CUDA.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
