@@ -110,6 +110,8 @@ class TrainConfig:
     checkpoint_every: int = _f(0, "save a checkpoint every N steps (0: only at the end)")
     max_time_s: float = _f(0.0, "stop after this many seconds (0: no limit)")
     eval_every: int = _f(0, "held-out AUC every N steps (0: only at the end)")
+    gc_every: int = _f(50, "Python's automatic garbage collection off while training; generations "
+                           "0-1 collected every N steps instead (0: automatic collection)")
 
 
 @dataclass
@@ -142,6 +144,7 @@ class Config:
             (0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}"),
             (self.data.sub_batch > 0, f"data.sub_batch must be positive, got {self.data.sub_batch}"),
             (self.train.eval_every >= 0, f"train.eval_every must be >= 0, got {self.train.eval_every}"),
+            (self.train.gc_every >= 0, f"train.gc_every must be >= 0, got {self.train.gc_every}"),
             (self.data.batch_size > 0, f"data.batch_size must be positive, got {self.data.batch_size}"),
             (self.data.max_len >= 1, f"data.max_len must be >= 1, got {self.data.max_len}"),
             (self.data.num_candidates >= 1, f"data.num_candidates must be >= 1, got {self.data.num_candidates}"),

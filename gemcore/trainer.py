@@ -28,6 +28,7 @@ import torch
 from gemcore import checkpoint
 from gemcore.config import Config
 from gemcore.data import JaggedDataset, load_user_data, make_synthetic
+from gemcore.gc_schedule import ScheduledGC
 from gemcore.metrics import auc, peak_flops
 from gemcore.model import GemModel, click_loss
 from gemcore.plugin_manager import GemPluginManager, PluginError
@@ -325,6 +326,8 @@ class Trainer:
         metrics_file = (self.run_dir / "metrics.jsonl").open("a") if self.is_main else None
         t_start = t_last = time.perf_counter()
         steps_done, stopped = 0, "max_steps"
+        # collections on a schedule, not inside random steps (gemcore.gc_schedule)
+        gc_schedule = ScheduledGC(cfg.train.gc_every).start()
         try:
             while self.step < cfg.run.max_steps:
                 if stop_after is not None and steps_done >= stop_after:
@@ -335,6 +338,7 @@ class Trainer:
                 loss, grad_norm = self.train_step(batch)
                 self.step += 1
                 steps_done += 1
+                gc_schedule.step(steps_done)
                 real, padded = self.step_flops(batch)
                 self.tokens_total += batch.num_tokens
                 self.flops_total += real
@@ -361,6 +365,7 @@ class Trainer:
                     stopped = "max_time"
                     break
         finally:
+            gc_schedule.stop()
             if metrics_file is not None:
                 metrics_file.close()
         return rows, stopped

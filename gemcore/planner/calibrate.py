@@ -178,8 +178,9 @@ def _tiny_step_s(heads: int, blocks: int, backend: str, device: str, dtype: torc
     time."""
     import torch.distributed as dist
 
-    from gemcore.config import AttentionConfig, ModelConfig
+    from gemcore.config import AttentionConfig, ModelConfig, TrainConfig
     from gemcore.data.dataset import JaggedBatch
+    from gemcore.gc_schedule import ScheduledGC
     from gemcore.kernels.jagged_attention import make_attention
     from gemcore.model import GemModel
     from gemcore.planner.apply import apply_fsdp, clip_grad_norm_
@@ -216,11 +217,13 @@ def _tiny_step_s(heads: int, blocks: int, backend: str, device: str, dtype: torc
         t3 = time.perf_counter()
         phases.append((t1 - t0, t2 - t1, t3 - t2))
 
-    if mesh is None:
-        seconds = _timed(step, repeats=21)
-    else:
-        dist.barrier()
-        seconds = _timed(step, repeats=21, budget_s=0.0)   # the same call count on every rank
+    # automatic garbage collection off, as gem train's steps run it (train.gc_every)
+    with ScheduledGC(TrainConfig().gc_every):
+        if mesh is None:
+            seconds = _timed(step, repeats=21)
+        else:
+            dist.barrier()
+            seconds = _timed(step, repeats=21, budget_s=0.0)   # the same call count on every rank
     cuda = torch.cuda.is_available()
     issued, forward, after = _phase_summary(phases, robust=cuda)
     return (issued if cuda else seconds), forward, after, seconds / max(issued, 1e-12)

@@ -38,19 +38,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="cpu: fp32, reference attention (any number of gloo ranks); cuda: one process, "
                          "bf16 weights, Triton attention")
+    ap.add_argument("--gc-every", type=int, default=None,
+                    help="Python's automatic garbage collection off, generations 0-1 collected every N "
+                         "steps (default: gem train's train.gc_every; 0: automatic collection)")
     ap.add_argument("--predict", action="store_true",
                     help="also calibrate this machine (gem plan --calibrate's measurements) and print the "
                          "planner's predicted step time beside the measured mean (after an untimed pass over the same batches)")
     args = ap.parse_args(argv)
 
-    from gemcore.config import AttentionConfig, ModelConfig
+    from gemcore.config import AttentionConfig, ModelConfig, TrainConfig
     from gemcore.data.synthetic import make_synthetic
+    from gemcore.gc_schedule import ScheduledGC
     from gemcore.kernels.jagged_attention import make_attention
     from gemcore.model import GemModel
     from gemcore.planner.plan import Plan
     from gemcore.plugins.parallel_planned import PlannedParallelism, launcher_env
     from gemcore.precision import flush_denormals
 
+    if args.gc_every is not None and args.gc_every < 0:
+        ap.error(f"--gc-every must be >= 0 (0: automatic collection), got {args.gc_every}")
     env = launcher_env()
     if args.device == "cuda" and (env["world_size"] > 1 or not torch.cuda.is_available()):
         ap.error("--device cuda runs one process on a machine with a CUDA GPU")
@@ -111,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         return loss, None if norm is None else float(norm), seconds
 
     losses, grad_norms, step_s = [], [], []
-    with flush_denormals():                       # as gem train runs its steps (run.flush_denormals)
+    gc_every = TrainConfig().gc_every if args.gc_every is None else args.gc_every
+    # as gem train runs its steps (run.flush_denormals, train.gc_every)
+    with flush_denormals(), ScheduledGC(gc_every) as gc_schedule:
         if args.predict:
             # one untimed pass over the same batches first: Triton compiles a kernel variant for each
             # new length's divisibility, which is not the steady state the planner predicts
@@ -120,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         issued.clear()
         for step in range(args.steps):
             loss, norm, seconds = train_step(step)
+            gc_schedule.step(step + 1)
             losses.append(loss)
             step_s.append(seconds)
             if norm is not None:
