@@ -2,6 +2,7 @@
 of FSDP2, HSDP, FSDP2 x TP, FSDP2 x EP and context-parallel runs of GemModel, and of TP runs in
 precision mxfp8, match a single-process run step for step."""
 import json
+import math
 import os
 import socket
 import subprocess
@@ -165,3 +166,22 @@ def test_clip_grad_norm_groups_dtensor_gradients_and_refuses_partial_sums(one_ra
     q.grad = torch.distributed.tensor.DTensor.from_local(torch.ones(6, 4), mesh, [Partial()])
     with pytest.raises(ValueError, match="partial sums"):
         clip_grad_norm_([q], 0.5)
+
+
+def test_clip_grad_norm_of_a_stage_without_gradients_joins_the_pipeline_reduction(one_rank_group):
+    """A pipeline stage whose parameters got no gradient still all-reduces its (zero) squared norm
+    over the pp group, on the group's device, and scales nothing; with gradients the total is the
+    usual one."""
+    from gemcore.planner.apply import clip_grad_norm_
+
+    idle = torch.nn.Parameter(torch.ones(3))
+    total = clip_grad_norm_([idle], 1.0, pp_group=one_rank_group)
+    assert total.device.type == "cpu" and float(total) == 0.0 and idle.grad is None
+    busy = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    busy.grad = torch.full((4,), 2.0, dtype=torch.bfloat16)
+    plain = torch.nn.Parameter(torch.zeros(3))
+    plain.grad = torch.full((3,), 2.0)
+    total = clip_grad_norm_([busy, plain], 1.0, pp_group=one_rank_group)
+    assert float(total) == pytest.approx(math.sqrt(7 * 4.0))          # float32 norms, mixed dtypes
+    assert busy.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(plain.grad, torch.full((3,), 2.0 / math.sqrt(28.0)), rtol=1e-5, atol=0)

@@ -251,6 +251,8 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
         else:
             local.append(i)
     total_sq = squares.sum() if len(local) == len(params) else _take(squares, local).sum()
+    if not params:   # a pipeline stage without gradients still joins the pp all-reduce
+        total_sq = total_sq.to(_group_device(pp_group))
     for group, members in spread.items():
         group_sq = _take(squares, members).sum()
         dist.all_reduce(group_sq, group=group)
@@ -296,6 +298,15 @@ def _local_squared_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     if order != sorted(order):
         squares = squares[torch.tensor(order, device=squares.device).argsort()]
     return squares
+
+
+def _group_device(group) -> torch.device:
+    """The device a process group's collectives take tensors on (NCCL: this rank's GPU)."""
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _take(values: torch.Tensor, indices: list[int]) -> torch.Tensor:
