@@ -92,3 +92,19 @@ def test_training_steps_run_with_the_configured_schedule(tmp_path, every):
     assert enabled == [every == 0] * 3
     assert gc.isenabled()
     assert torch.is_grad_enabled()
+
+
+def test_a_resumed_run_may_change_the_schedule(tmp_path):
+    """train.gc_every changes no arithmetic, so --resume accepts a different value."""
+    from conftest import TINY as TINY_OVERRIDES
+
+    from gemcore.config import load_config
+    from gemcore.plugin_manager import create_plugin_manager
+    from gemcore.trainer import run_training
+
+    common = [*TINY_OVERRIDES, f"run.out_dir='{tmp_path}'", "run.name='r'"]
+    _, run_dir = run_training(load_config(None, [*common, "run.max_steps=2", "train.gc_every=1"]),
+                              create_plugin_manager())
+    summary, _ = run_training(load_config(None, [*common, "run.max_steps=3", "train.gc_every=0"]),
+                              create_plugin_manager(), resume=str(run_dir))
+    assert summary["steps"] == 3
