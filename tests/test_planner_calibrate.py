@@ -60,6 +60,22 @@ def test_the_optimizers_per_layer_host_time_falls_after_the_backward_once_per_st
     assert capped.host_issue_s["after"] == pytest.approx(without.host_issue_s["after"] + layers * 1e-3)
 
 
+def test_a_calibrated_optimizer_rate_replaces_the_hbm_rate_for_the_optimizer_pass():
+    """``optimizer_bytes_per_s`` (0 on datasheet kinds: the HBM rate) divides the optimizer's bytes:
+    0 and the HBM rate give the same step, and on a synchronous device the step grows linearly in
+    1 / rate (halving the rate adds what the rate before it took)."""
+    plan = Plan(dp_shard=1, mbs=4)
+
+    def step(rate):
+        return estimate(SMALL, _cpu_cluster(optimizer_bytes_per_s=rate, host_synchronous=True), plan,
+                        global_batch=8).step_time_s
+
+    g = _cpu_cluster().gpu
+    assert step(0.0) == pytest.approx(step(g.hbm_gbps * 1e9 * g.memory_efficiency), rel=1e-12)
+    one, two, four = step(1e9), step(2e9), step(4e9)
+    assert one - two == pytest.approx(2 * (two - four), rel=1e-9) and one > two > four > step(0.0)
+
+
 def test_gpu_done_matches_a_phase_by_phase_simulation():
     """The closed form against the phase loop it stands for, on random host and GPU times."""
     import random
@@ -146,7 +162,7 @@ def test_length_moments_override_is_used():
 
 def test_measure_on_this_machine_and_calibrated_rates_reach_the_cost_model():
     rates = measure(SMALL, lengths=[1, 5, 26, 13], backend="reference", size=128)
-    for key in ("gemm_flops", "gemm_flops_model", "attention_flops", "copy_bytes_per_s"):
+    for key in ("gemm_flops", "gemm_flops_model", "attention_flops", "copy_bytes_per_s", "optimizer_bytes_per_s"):
         assert math.isfinite(rates[key]) and rates[key] > 0, key
     for key in ("sequence_overhead_s", "layer_overhead_s", "step_overhead_s"):
         assert 0 <= rates[key] < 1.0, key
@@ -159,6 +175,7 @@ def test_measure_on_this_machine_and_calibrated_rates_reach_the_cost_model():
     g = cluster.gpu
     assert g.activation_bytes == rates["activation_bytes"] and g.host_synchronous == (not cuda)
     assert g.layer_overhead_s == rates["layer_overhead_s"]
+    assert g.optimizer_bytes_per_s == rates["optimizer_bytes_per_s"]
     assert (g.forward_host_share, g.optimizer_host_s, g.optimizer_layer_s) == (
         rates["forward_host_share"], rates["optimizer_host_s"], rates["optimizer_layer_s"])
     # the planner's GEMM rate at the model's thinnest side equals the rate measured on its layers

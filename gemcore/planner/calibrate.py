@@ -9,6 +9,9 @@ Everything is measured the way the run computes, in the run's dtype (bf16 on CUD
   model's length law). The same count of length-1 sequences gives the per-sequence cost (a loop over
   sequences pays it), the rest the rate per counted FLOP (the planner's 3.5·H·(d_qk+d_v)·ΣL²);
 * elementwise: ``a * b`` on one micro-batch's activation (T, hidden), bytes read + written per s;
+* optimizer: gradient clipping + foreach AdamW on one flat float32 weight of the rank's share of
+  the model's weights, in bytes the planner counts per weight per s (the optimizer state streams
+  at its own size: on a CPU the activation-sized ``a * b`` ran from cache at 54-124 GB/s);
 * host overhead: one- and three-block GemModel train steps (embeddings, head, loss, clipping,
   AdamW) on one tiny sequence (on CUDA one head of the run's head dim at the run's mean length,
   so the attention takes the run's kernels: :func:`_tiny_shape`): the slope per block (per layer)
@@ -120,6 +123,26 @@ def _gpu_timed(fn) -> float:
     warm = time.perf_counter() - t0
     cycles = max(SPACER_CYCLES, int(4e9 * warm))
     return median_ms(fn, warmup=1, rep_ms=100, launch_hidden=True, spacer_cycles=cycles) / 1e3
+
+
+def _optimizer_rate(weights: int, device: str) -> float:
+    """Bytes per second of the eager optimizer pass (gemcore's gradient clipping, then foreach
+    AdamW: ``cost.OPTIMIZER_BYTES["eager"]`` per weight) on one flat float32 weight of ``weights``
+    elements, the rank's shard: its state (16 B a weight) streams at the rate of its own size,
+    which an activation-sized product can overstate from the caches. The per-tensor launches of a
+    real model's many weights are the host terms' (``optimizer_host_s``, ``optimizer_layer_s``)."""
+    from gemcore.planner.apply import clip_grad_norm_
+    from gemcore.planner.cost import OPTIMIZER_BYTES
+
+    weight = torch.nn.Parameter(torch.randn(weights, device=device))
+    weight.grad = torch.randn(weights, device=device)
+    opt = torch.optim.AdamW([weight], lr=1e-6, foreach=True)
+
+    def step():
+        clip_grad_norm_([weight], 1.0)
+        opt.step()
+
+    return OPTIMIZER_BYTES["eager"] * weights / _gpu_timed(step)
 
 
 def _device_dtype(dtype: torch.dtype | None) -> tuple[str, torch.dtype]:
@@ -340,7 +363,7 @@ def measure(spec=None, *, lengths: list[int] | None = None, sequences: int = 16,
     micro-batch's sequence lengths incl. candidates (else ``sequences`` draws of the law at
     ``seq_len``; on a CPU at most 8 sequences of at most 1024 tokens, so a large preset stays
     measurable: the reference attention holds an L×L score matrix per head). Returns gemm_flops (square), gemm_flops_model, attention_flops (per counted
-    FLOP), sequence_overhead_s, copy_bytes_per_s, layer_overhead_s, step_overhead_s,
+    FLOP), sequence_overhead_s, copy_bytes_per_s, optimizer_bytes_per_s, layer_overhead_s, step_overhead_s,
     forward_host_share, optimizer_host_s, optimizer_layer_s, activation_bytes and, under a process group, collective_latency_s, fsdp_busbw,
     allreduce_busbw."""
     device, dtype = _device_dtype(dtype)
@@ -388,6 +411,15 @@ def measure(spec=None, *, lengths: list[int] | None = None, sequences: int = 16,
     x, y = (torch.randn(numel, device=device, dtype=dtype) for _ in range(2))
     z = torch.empty_like(x)
     out["copy_bytes_per_s"] = 3 * numel * x.element_size() / _gpu_timed(lambda: torch.mul(x, y, out=z))
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if spec is not None:   # the rank's share under FSDP: its blocks' and head's weights / ranks
+        weights = (sum(spec.layer_params) + spec.head_params()) // world
+    else:
+        weights = 2 ** 25 // world
+    # at most 2^25 weights (512 MiB of state, past any cache): a 405B preset stays measurable
+    out["optimizer_bytes_per_s"] = _optimizer_rate(min(max(1, weights), 2 ** 25), device)
     shape = _tiny_shape(spec, device, lengths)
     host = _host_overheads(backend, device, dtype, shape)
     layer_s, step_s = host["layer_s"], host["step_s"]
@@ -398,9 +430,7 @@ def measure(spec=None, *, lengths: list[int] | None = None, sequences: int = 16,
     out["optimizer_layer_s"] = min(host["optimizer_layer_s"], out["layer_overhead_s"])
     out["tiny_wall_over_issued"] = host["tiny_wall_over_issued"]     # a diagnostic, for the record
     out["activation_bytes"] = float(torch.empty(0, dtype=dtype).element_size())
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if world > 1:
         layer_weights = (sum(spec.layer_params) / spec.num_layers) if spec is not None else 2 ** 22
         out.update(_collectives(layer_weights * out["activation_bytes"], device))
         fsdp_layer, dist_step = _sharded_overheads(backend, device, dtype, shape, layer_s, step_s,
@@ -438,6 +468,7 @@ def calibrate_cluster(cluster: Cluster, rates: dict[str, float] | None = None, *
         peak_bf16_tflops=peak / 1e12, gemm_efficiency=gemm_eff, power_limit_w=0.0,
         attention_efficiency=rates["attention_flops"] / peak,
         hbm_gbps=rates["copy_bytes_per_s"] / 1e9, memory_efficiency=1.0,
+        optimizer_bytes_per_s=rates.get("optimizer_bytes_per_s", 0.0),
         activation_bytes=int(rates.get("activation_bytes", 2)),
         layer_overhead_s=rates.get("layer_overhead_s", 0.0),
         sequence_overhead_s=rates.get("sequence_overhead_s", 0.0),

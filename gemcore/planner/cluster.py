@@ -52,6 +52,9 @@ class GpuKind:
     power_clock_exponent: float = 1 / 3  #: f ∝ (P_limit / P_tdp)^this: 1/3 (P ∝ f³) .. 1 (voltage floor)
     activation_bytes: int = 2           #: bytes per element the run computes in (2: bf16; 4: fp32 on CPU)
     link_latency_s: float = 0.0         #: per-collective latency (0: LATENCY_INTRA_S / LATENCY_INTER_S)
+    #: the optimizer pass's streaming rate, bytes/s (``--calibrate`` measures it at the rank's share of
+    #: the weights; 0: the HBM rate, as on the datasheet kinds)
+    optimizer_bytes_per_s: float = 0.0
     #: host time that does not scale with size, per fwd+bwd (``--calibrate`` measures them; 0 on the
     #: datasheet kinds): per layer and micro-batch, per sequence and layer (attention that loops over
     #: sequences), and per step (embeddings, head, loss, optimizer)

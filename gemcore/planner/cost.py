@@ -453,7 +453,7 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
         send = act_b * h * B * mean_len / cluster.gpus
         embed_exposed = 2 * all_to_all_time(cluster, cluster.gpus, 1, send)
 
-    optimizer_s = OPTIMIZER_BYTES[stack.optimizer] * local / hbm
+    optimizer_s = OPTIMIZER_BYTES[stack.optimizer] * local / (g.optimizer_bytes_per_s or hbm)
     t_mb = compute_mb + tp_mb + cp_mb + ep_mb + pp_mb
     bubble = (pp - 1) / v * t_mb if pp > 1 else 0.0
     comm = {"tp": n_mb * tp_mb, "cp": n_mb * cp_mb, "ep": n_mb * ep_mb, "pp": n_mb * pp_mb,
