@@ -309,8 +309,11 @@ def _sharded_overheads(backend: str, device: str, dtype: torch.dtype, shape: dic
     """(per FSDP layer, per step) seconds a data-parallel step adds beyond the collectives' bytes
     and latencies, measured under the process group on the same tiny models as
     :func:`_host_overheads`, wrapped the way the run is (FSDP2 per block and root, gemcore's
-    clipping, the loss averaged over the ranks): one- and two-block models give the per-layer
-    part (FSDP2's hooks, copy-in/copy-out, stream waits) and the rest per step. ``layer_s`` and
+    clipping, the loss averaged over the ranks): one- and three-block models give the per-layer
+    part (FSDP2's hooks, copy-in/copy-out, stream waits) and the rest per step (as in
+    :func:`_host_overheads`: with one- and two-block models the split swung 0.3-4.3 ms per layer
+    and 2.4-7.2 ms per step over four calibrations on the 2-core CPU, with one and three
+    4.4-5.3 and 5.1-7.4, session 22). ``layer_s`` and
     ``step_s`` are the unwrapped figures; the 2 all-gathers + 1 reduce-scatter per layer and the
     root's are costed by the planner's collective terms (``latency_s`` each), so they are taken
     out here."""
@@ -318,9 +321,9 @@ def _sharded_overheads(backend: str, device: str, dtype: torch.dtype, shape: dic
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device, (dist.get_world_size(),))
-    one, two = (_tiny_step_s(blocks=n, backend=backend, device=device, dtype=dtype, mesh=mesh, **shape)[0]
-                for n in (1, 2))
-    per_layer = max(0.0, two - one - layer_s)
+    one, three = (_tiny_step_s(blocks=n, backend=backend, device=device, dtype=dtype, mesh=mesh, **shape)[0]
+                  for n in (1, 3))
+    per_layer = max(0.0, (three - one) / 2 - layer_s)
     per_step = max(0.0, one - (step_s + layer_s) - per_layer)
     # the planner costs each unit's 3 FSDP collectives (a block's, and the root's once per step);
     # the clipping and loss all-reduces stay in the per-step figure
