@@ -38,7 +38,7 @@ def test_collector_off_inside_with_scheduled_young_collections(collections):
     assert gc.isenabled()
 
 
-def test_every_zero_changes_nothing(collections):
+def test_every_zero_changes_nothing():
     with ScheduledGC(every=0) as schedule:
         assert gc.isenabled()
         for step in range(1, 4):
@@ -46,8 +46,10 @@ def test_every_zero_changes_nothing(collections):
     assert schedule.collections == 0 and gc.isenabled()
     gc.disable()
     try:
-        with ScheduledGC(every=2):               # a collector off before stays off after
-            pass
+        with ScheduledGC(every=2) as schedule:   # a collector off before stays off after
+            assert not gc.isenabled()
+            schedule.step(2)
+            assert schedule.collections == 1
         assert not gc.isenabled()
     finally:
         gc.enable()

@@ -228,12 +228,14 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for models whose parameters mix plain tensors and
     DTensors on different meshes (TP-sharded MLPs beside replicated norms, FSDP over both).
 
-    Each gradient's squared 2-norm is reduced over its own mesh (:func:`_squared_norms`: one
-    reduction per mesh and placement, not per gradient), the total is the square root of their
-    sum, and every gradient is scaled by min(1, max_norm / total). Expert-parallel parameters
-    (``EP_GROUP_ATTR``) hold different experts on each rank: their squared norms are summed over
-    their group. ``pp_group``: pipeline stages hold different parameters, so the squared total is
-    summed over it (every rank gets the whole model's norm).
+    Gradients are grouped by (expert-parallel group, mesh and placements, device, dtype); each
+    group's local squared norms come from one fused ``torch._foreach_norm`` and are summed, and a
+    DTensor group's sum is reduced over the mesh dimensions its gradients are sharded on (one
+    collective per group, not per gradient). Expert-parallel parameters (``EP_GROUP_ATTR``) hold
+    different experts on each rank: their sum is also all-reduced over their group. ``pp_group``:
+    pipeline stages hold different parameters, so the squared total is summed over it (every rank
+    gets the whole model's norm). Every gradient is then scaled by min(1, max_norm / total) with
+    one ``torch._foreach_mul_`` per device and dtype. No host sync: the norm stays on the device.
     """
     import torch.distributed as dist
 
@@ -242,23 +244,20 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
     params = [p for p in parameters if p.grad is not None]
     if not params and pp_group is None:
         return torch.zeros(())
-    squares = _squared_norms([p.grad for p in params])        # (len(params),) float32
-    local, spread = [], {}
-    for i, p in enumerate(params):
-        group = getattr(p, EP_GROUP_ATTR, None)
-        if group is not None:   # different experts on each rank of the group
-            spread.setdefault(group, []).append(i)
-        else:
-            local.append(i)
-    total_sq = squares.sum() if len(local) == len(params) else _take(squares, local).sum()
-    if not params:   # a pipeline stage without gradients still joins the pp all-reduce
-        total_sq = total_sq.to(_group_device(pp_group))
-    for group, members in spread.items():
-        group_sq = _take(squares, members).sum()
-        dist.all_reduce(group_sq, group=group)
-        total_sq = total_sq + group_sq
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        groups.setdefault(_norm_group(p.grad, getattr(p, EP_GROUP_ATTR, None)), []).append(p.grad)
+    sums = []
+    for (ep_group, mesh, placements, _, _), grads in groups.items():
+        squared = _squared_sum(grads, mesh, placements)
+        if ep_group is not None:   # different experts on each rank of the group
+            dist.all_reduce(squared, group=ep_group)
+        sums.append(squared)
+    if sums:
+        total_sq = torch.stack([s.to(sums[0].device) for s in sums]).sum()
+    else:                          # a pipeline stage without gradients still joins the reduction
+        total_sq = torch.zeros((), device=_group_device(pp_group))
     if pp_group is not None:
-        total_sq = total_sq.reshape(()).clone()
         dist.all_reduce(total_sq, group=pp_group)
     total = total_sq.sqrt()
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -274,6 +273,33 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _norm_group(grad: torch.Tensor, ep_group) -> tuple:
+    """(ep group, mesh, placements, device, dtype) of ``grad``: the gradients whose squared norms
+    one fused kernel and one reduction can sum (mesh and placements None for a plain tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    local = _local(grad)
+    if isinstance(grad, DTensor):
+        return ep_group, grad.device_mesh, tuple(grad.placements), local.device, local.dtype
+    return ep_group, None, None, local.device, local.dtype
+
+
+def _squared_sum(grads: list[torch.Tensor], mesh, placements) -> torch.Tensor:
+    """0-dim float32: the sum of ``grads``' squared 2-norms over their whole mesh (one device and
+    dtype; ``mesh`` None: plain tensors)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    if mesh is not None and any(pl.is_partial() for pl in placements):
+        raise ValueError(f"clip_grad_norm_: a gradient with pending partial sums ({placements})")
+    norms = torch._foreach_norm([_local(g).detach() for g in grads], 2, dtype=torch.float32)
+    local = torch.stack(norms).square().sum()
+    if mesh is None:
+        return local
+    # a sharded mesh dimension (Shard, or FSDP-over-TP's _StridedShard) sums the squares
+    summed = [Replicate() if pl.is_replicate() else Partial() for pl in placements]
+    return DTensor.from_local(local.reshape(1), mesh, summed, run_check=False).full_tensor()[0]
+
+
 def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """``tensors`` in groups of one device and dtype, the lists a fused ``torch._foreach_*``
     kernel takes in one launch."""
@@ -283,23 +309,6 @@ def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]
     return list(groups.values())
 
 
-def _local_squared_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """(len(tensors),) float32: each tensor's squared 2-norm, a few fused launches per device and
-    dtype instead of several kernels per tensor (a host-bound GPU step spent ~2 ms on the per-tensor
-    loop, session 22). Norms are accumulated and returned in float32 whatever the dtype."""
-    if not tensors:
-        return torch.zeros(0)
-    order, norms = [], []
-    index = {id(t): i for i, t in enumerate(tensors)}
-    for group in _by_device_and_dtype(tensors):
-        order += [index[id(t)] for t in group]
-        norms.append(torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32)).to(tensors[0].device))
-    squares = torch.cat(norms).square()
-    if order != sorted(order):
-        squares = squares[torch.tensor(order, device=squares.device).argsort()]
-    return squares
-
-
 def _group_device(group) -> torch.device:
     """The device a process group's collectives take tensors on (NCCL: this rank's GPU)."""
     import torch.distributed as dist
@@ -307,41 +316,6 @@ def _group_device(group) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _take(values: torch.Tensor, indices: list[int]) -> torch.Tensor:
-    """``values[indices]`` with the index list moved to ``values``' device."""
-    return values[torch.tensor(indices, device=values.device, dtype=torch.long)]
-
-
-def _squared_norms(grads: list[torch.Tensor]) -> torch.Tensor:
-    """(len(grads),) float32: each gradient's squared 2-norm over its whole mesh. DTensor gradients
-    are grouped by mesh and placements: each group's local sums of squares are reduced in one go
-    (a sum over the mesh dimensions they are sharded on), instead of one collective per
-    gradient."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
-    groups: dict[tuple, list[int]] = {}
-    for i, g in enumerate(grads):
-        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
-        groups.setdefault(key, []).append(i)
-    order, parts = [], []
-    for key, members in groups.items():
-        local = _local_squared_norms([_local(grads[i]).detach() for i in members])
-        if key is not None:
-            mesh, placements = key
-            if any(pl.is_partial() for pl in placements):
-                raise ValueError(f"clip_grad_norm_: a gradient with pending partial sums ({placements})")
-            # a sharded mesh dimension (Shard, or FSDP-over-TP's _StridedShard) sums the squares
-            summed = [Replicate() if pl.is_replicate() else Partial() for pl in placements]
-            local = DTensor.from_local(local, mesh, summed, run_check=False).full_tensor()
-        order += members
-        parts.append(local)
-    if not parts:
-        return torch.zeros(0)
-    device = parts[0].device
-    squares = torch.cat([part.to(device) for part in parts])
-    return squares if order == sorted(order) else squares[torch.tensor(order, device=device).argsort()]
 
 
 def fsdp_mesh(mesh, plan: Plan):
