@@ -17,9 +17,8 @@ from gemcore.planner import calibrate
 
 
 def overheads(heads: int, head_dim: int, events: int) -> dict[str, float]:
-    (one, fwd1, after1), (three, fwd3, after3) = (
-        calibrate._tiny_step_s(heads, n, "triton", "cuda", torch.bfloat16, head_dim=head_dim, events=events)
-        for n in (1, 3))
+    (one, fwd1, after1, _), (three, fwd3, after3, _) = calibrate._tiny_steps_s(
+        (1, 3), heads, "triton", "cuda", torch.bfloat16, head_dim=head_dim, events=events)
     layer = (three - one) / 2
     return {"step_1block_ms": 1e3 * one, "step_3block_ms": 1e3 * three, "layer_ms": 1e3 * layer,
             "rest_ms": 1e3 * (one - layer), "fwd_share_1": fwd1, "fwd_share_3": fwd3,

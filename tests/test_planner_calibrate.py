@@ -208,15 +208,38 @@ def test_tiny_host_models_take_the_runs_attention_path_on_cuda_only():
     assert _tiny_shape(None, "cuda", [1, 1]) == {"heads": 1, "head_dim": 128, "events": 1}
 
 
-def test_tiny_step_runs_on_a_history_of_the_given_length():
+def test_tiny_steps_run_interleaved_on_a_history_of_the_given_length():
     import torch
 
-    from gemcore.planner.calibrate import _tiny_step_s
+    from gemcore.planner import calibrate
 
-    seconds, forward, after, wall_over_issued = _tiny_step_s(1, 1, "reference", "cpu", torch.float32,
-                                                             head_dim=16, events=40)
-    assert seconds > 0 and 0 < forward < 1 and 0 < after < 1
-    assert 0.5 < wall_over_issued < 2.0      # a CPU step is all host work: its wall time is what it issued
+    one, three = calibrate._tiny_steps_s((1, 3), 1, "reference", "cpu", torch.float32, head_dim=16, events=40)
+    for seconds, forward, after, wall_over_issued in (one, three):
+        assert seconds > 0 and 0 < forward < 1 and 0 < after < 1
+        assert 0.5 < wall_over_issued < 2.0      # a CPU step is all host work: its wall time is what it issued
+    assert three[0] > one[0]                     # two more blocks of host work
+    assert one[3] == three[3]                    # one figure for the rounds
+
+
+def test_tiny_steps_alternate_the_models_round_by_round(monkeypatch):
+    import torch
+
+    from gemcore.planner import apply, calibrate
+
+    stepped = []                                 # parameters clipped, per step: which model stepped
+    real_clip = apply.clip_grad_norm_
+
+    def clip(parameters, max_norm):
+        parameters = list(parameters)
+        stepped.append(len(parameters))
+        return real_clip(parameters, max_norm)
+
+    monkeypatch.setattr(apply, "clip_grad_norm_", clip)
+    monkeypatch.setattr(calibrate, "_timed", lambda fn, repeats, **_: [fn() for _ in range(repeats)] and 1.0)
+    monkeypatch.setattr(calibrate, "TINY_ROUNDS", 4)
+    calibrate._tiny_steps_s((1, 2), 1, "reference", "cpu", torch.float32, head_dim=4, events=3)
+    one, two = stepped[:2]
+    assert one < two and stepped == [one, two] * 4
 
 
 def test_phase_summary_leaves_out_the_warm_up_call_and_on_cuda_an_outlier():

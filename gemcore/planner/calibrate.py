@@ -187,18 +187,30 @@ def _attention_times(lengths: list[int], targets: int, heads: int, head_dim: int
     return _gpu_timed(run) if gpu_time else _timed(run)
 
 
-def _tiny_step_s(heads: int, blocks: int, backend: str, device: str, dtype: torch.dtype,
-                 mesh=None, head_dim: int = 2, events: int = 1) -> tuple[float, float, float, float]:
-    """(seconds per step, forward's share, share after the backward, wall ÷ issued) of one train
-    step (loss, backward, clipping, AdamW) of a ``blocks``-block GemModel of width heads·head_dim
-    on one user with ``events`` history events and one candidate. With ``mesh``: wrapped in FSDP2
-    the way the run is, gemcore's clipping, the loss all-reduced.
+#: rounds of the interleaved tiny steps (:func:`_tiny_steps_s`), one call of every model per round
+TINY_ROUNDS = 41
 
-    On CUDA the seconds are the host's issuing time, read at the phase borders with no wait for
-    the GPU, as the run's host overhead is (the smoke's ``host_issued_s_measured``); the synced
-    wall time per call would also hold any GPU tail, which the calibrated GPU rates already cost
-    (on the H200 the two differed by 0-5 %, session 22). On a CPU (synchronous) it is the wall
-    time."""
+
+def _tiny_steps_s(block_counts: tuple[int, ...], heads: int, backend: str, device: str,
+                  dtype: torch.dtype, mesh=None, head_dim: int = 2,
+                  events: int = 1) -> list[tuple[float, float, float, float]]:
+    """For each count in ``block_counts``: (seconds per step, forward's share, share after the
+    backward, wall ÷ issued) of one train step (loss, backward, clipping, AdamW) of a
+    ``blocks``-block GemModel of width heads·head_dim on one user with ``events`` history events and
+    one candidate. With ``mesh``: wrapped in FSDP2 the way the run is, gemcore's clipping, the loss
+    all-reduced.
+
+    The models' steps are interleaved, one call of each per round (:data:`TINY_ROUNDS` rounds or
+    more), so a change in the machine's speed while they run (another tenant, a clock) touches every
+    model alike: the caller's per-layer figure is their difference, which a slow spell during one
+    model's calls alone had moved by half (on the H200 the one-GPU row's per-layer host time read
+    0.83-1.77 ms in three calibrations, session 23, when the models ran one after the other).
+
+    On CUDA the seconds are the host's issuing time (per phase the median over the calls), read at
+    the phase borders with no wait for the GPU, as the run's host overhead is (the smoke's
+    ``host_issued_s_measured``); the synced wall time per call would also hold any GPU tail, which
+    the calibrated GPU rates already cost (on the H200 the two differed by 0-5 %, session 22). On a
+    CPU (synchronous) it is the wall time (per phase the mean). Wall ÷ issued is the rounds'."""
     import torch.distributed as dist
 
     from gemcore.config import AttentionConfig, ModelConfig, TrainConfig
@@ -208,13 +220,6 @@ def _tiny_step_s(heads: int, blocks: int, backend: str, device: str, dtype: torc
     from gemcore.model import GemModel
     from gemcore.planner.apply import apply_fsdp, clip_grad_norm_
 
-    torch.manual_seed(0)
-    cfg = ModelConfig(num_items=16, hidden=head_dim * heads, num_blocks=blocks, num_heads=heads,
-                      mlp_ratio=2)
-    model = GemModel(cfg, make_attention(AttentionConfig(), backend=backend)).to(device=device, dtype=dtype)
-    if mesh is not None:
-        model = apply_fsdp(model, mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     z = torch.zeros(events, device=device, dtype=torch.int64)
     batch = JaggedBatch(item_ids=z, actions=z, time_buckets=z,
                         offsets=torch.tensor([0, events], device=device), cand_ids=z[:1],
@@ -222,34 +227,49 @@ def _tiny_step_s(heads: int, blocks: int, backend: str, device: str, dtype: torc
                         labels=torch.zeros(1, device=device), max_len=events + 1,
                         sum_sq_len=(events + 1) ** 2)
 
-    clip = clip_grad_norm_        # the planned run's (PlannedParallelism.clip_grad_norm_)
-
-    phases: list[tuple[float, float, float]] = []  # (forward, backward, after) of each call
-
-    def step():
-        t0 = time.perf_counter()
-        loss = model.loss(batch)
-        t1 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        t2 = time.perf_counter()
-        clip(model.parameters(), 1.0)
-        opt.step()
+    def train_step(blocks: int):
+        """A ``blocks``-block model's step and the list its calls append (forward, backward, after) to."""
+        torch.manual_seed(0)
+        cfg = ModelConfig(num_items=16, hidden=head_dim * heads, num_blocks=blocks, num_heads=heads,
+                          mlp_ratio=2)
+        model = GemModel(cfg, make_attention(AttentionConfig(), backend=backend)).to(device=device, dtype=dtype)
         if mesh is not None:
-            dist.all_reduce(loss.detach())
-        t3 = time.perf_counter()
-        phases.append((t1 - t0, t2 - t1, t3 - t2))
+            model = apply_fsdp(model, mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        phases: list[tuple[float, float, float]] = []
+
+        def step():
+            t0 = time.perf_counter()
+            loss = model.loss(batch)
+            t1 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            t2 = time.perf_counter()
+            clip_grad_norm_(model.parameters(), 1.0)   # the planned run's (PlannedParallelism's)
+            opt.step()
+            if mesh is not None:
+                dist.all_reduce(loss.detach())
+            t3 = time.perf_counter()
+            phases.append((t1 - t0, t2 - t1, t3 - t2))
+        return step, phases
+
+    models = [train_step(n) for n in block_counts]
+
+    def one_round():
+        for step, _ in models:
+            step()
 
     # automatic garbage collection off, as gem train's steps run it (train.gc_every)
     with ScheduledGC(TrainConfig().gc_every):
         if mesh is None:
-            seconds = _timed(step, repeats=21)
+            seconds = _timed(one_round, repeats=TINY_ROUNDS)
         else:
             dist.barrier()
-            seconds = _timed(step, repeats=21, budget_s=0.0)   # the same call count on every rank
+            seconds = _timed(one_round, repeats=TINY_ROUNDS, budget_s=0.0)   # the same call count on every rank
     cuda = torch.cuda.is_available()
-    issued, forward, after = _phase_summary(phases, robust=cuda)
-    return (issued if cuda else seconds), forward, after, seconds / max(issued, 1e-12)
+    summaries = [_phase_summary(phases, robust=cuda) for _, phases in models]
+    wall_over_issued = seconds / max(sum(issued for issued, _, _ in summaries), 1e-12)
+    return [(issued, forward, after, wall_over_issued) for issued, forward, after in summaries]
 
 
 def _phase_summary(calls: list[tuple[float, float, float]], robust: bool) -> tuple[float, float, float]:
@@ -268,7 +288,7 @@ def _phase_summary(calls: list[tuple[float, float, float]], robust: bool) -> tup
 
 
 def _tiny_shape(spec, device: str, lengths: list[int] | None) -> dict[str, int]:
-    """The tiny models' heads, head_dim and history events (:func:`_tiny_step_s`). On a CPU: the
+    """The tiny models' heads, head_dim and history events (:func:`_tiny_steps_s`). On a CPU: the
     spec's heads of width 2 on one event (all of a CPU step is host work; the rates cost the
     rest). On CUDA: one head of the run's head dim on one history of the run's mean length (at
     most 1024 events), so each layer's attention takes the kernels the run's takes (session 21: a
@@ -284,13 +304,13 @@ def _tiny_shape(spec, device: str, lengths: list[int] | None) -> dict[str, int]:
 def _host_overheads(backend: str, device: str, dtype: torch.dtype, shape: dict[str, int]) -> dict[str, float]:
     """Seconds of size-independent host work: per layer and per step (the slope and the rest of
     one- and three-block models' train steps of ``shape`` (:func:`_tiny_shape`,
-    :func:`_tiny_step_s`), the forward's share of the host time before the backward ends, and the
+    :func:`_tiny_steps_s`), the forward's share of the host time before the backward ends, and the
     part after the backward (clipping, optimizer) per layer (its growth with the block count) and
     per step (the one-block model's, less that growth). Measured
     inside whole steps, as the run pays them: a block timed alone would also pay the backward
     call's own start, which a step pays once."""
-    (one, _, after1, _), (three, fwd3, after3, wall_over_issued) = (
-        _tiny_step_s(blocks=n, backend=backend, device=device, dtype=dtype, **shape) for n in (1, 3))
+    (one, _, after1, _), (three, fwd3, after3, wall_over_issued) = _tiny_steps_s(
+        (1, 3), backend=backend, device=device, dtype=dtype, **shape)
     layer_s = max(0.0, (three - one) / 2)
     step_s = max(0.0, one - layer_s)
     after_slope = min(layer_s, max(0.0, (three * after3 - one * after1) / 2))
@@ -321,8 +341,8 @@ def _sharded_overheads(backend: str, device: str, dtype: torch.dtype, shape: dic
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device, (dist.get_world_size(),))
-    one, three = (_tiny_step_s(blocks=n, backend=backend, device=device, dtype=dtype, mesh=mesh, **shape)[0]
-                  for n in (1, 3))
+    one, three = (seconds for seconds, *_ in _tiny_steps_s((1, 3), backend=backend, device=device,
+                                                            dtype=dtype, mesh=mesh, **shape))
     per_layer = max(0.0, (three - one) / 2 - layer_s)
     per_step = max(0.0, one - (step_s + layer_s) - per_layer)
     # the planner costs each unit's 3 FSDP collectives (a block's, and the root's once per step);
