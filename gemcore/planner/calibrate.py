@@ -192,12 +192,12 @@ TINY_ROUNDS = 41
 
 
 def _tiny_steps_s(block_counts: tuple[int, ...], heads: int, backend: str, device: str,
-                  dtype: torch.dtype, mesh=None, head_dim: int = 2,
-                  events: int = 1) -> list[tuple[float, float, float, float]]:
+                  dtype: torch.dtype, mesh=None, head_dim: int = 2, events: int = 1,
+                  users: int = 1) -> list[tuple[float, float, float, float]]:
     """For each count in ``block_counts``: (seconds per step, forward's share, share after the
     backward, wall ÷ issued) of one train step (loss, backward, clipping, AdamW) of a
-    ``blocks``-block GemModel of width heads·head_dim on one user with ``events`` history events and
-    one candidate. With ``mesh``: wrapped in FSDP2 the way the run is, gemcore's clipping, the loss
+    ``blocks``-block GemModel of width heads·head_dim on ``users`` users with ``events`` history
+    events and one candidate each. With ``mesh``: wrapped in FSDP2 the way the run is, gemcore's clipping, the loss
     all-reduced.
 
     The models' steps are interleaved, one call of each per round (:data:`TINY_ROUNDS` rounds or
@@ -220,12 +220,12 @@ def _tiny_steps_s(block_counts: tuple[int, ...], heads: int, backend: str, devic
     from gemcore.model import GemModel
     from gemcore.planner.apply import apply_fsdp, clip_grad_norm_
 
-    z = torch.zeros(events, device=device, dtype=torch.int64)
-    batch = JaggedBatch(item_ids=z, actions=z, time_buckets=z,
-                        offsets=torch.tensor([0, events], device=device), cand_ids=z[:1],
-                        cand_offsets=torch.tensor([0, 1], device=device),
-                        labels=torch.zeros(1, device=device), max_len=events + 1,
-                        sum_sq_len=(events + 1) ** 2)
+    z = torch.zeros(users * events, device=device, dtype=torch.int64)
+    starts = torch.arange(users + 1, device=device)
+    batch = JaggedBatch(item_ids=z, actions=z, time_buckets=z, offsets=starts * events,
+                        cand_ids=torch.zeros(users, device=device, dtype=torch.int64), cand_offsets=starts,
+                        labels=torch.zeros(users, device=device), max_len=events + 1,
+                        sum_sq_len=users * (events + 1) ** 2)
 
     def train_step(blocks: int):
         """A ``blocks``-block model's step and the list its calls append (forward, backward, after) to."""
