@@ -197,14 +197,15 @@ def _tiny_steps_s(block_counts: tuple[int, ...], heads: int, backend: str, devic
     """For each count in ``block_counts``: (seconds per step, forward's share, share after the
     backward, wall ÷ issued) of one train step (loss, backward, clipping, AdamW) of a
     ``blocks``-block GemModel of width heads·head_dim on ``users`` users with ``events`` history
-    events and one candidate each. With ``mesh``: wrapped in FSDP2 the way the run is, gemcore's clipping, the loss
-    all-reduced.
+    events and one candidate each. With ``mesh``: wrapped in FSDP2 the way the run is, gemcore's
+    clipping, the loss all-reduced.
 
     The models' steps are interleaved, one call of each per round (:data:`TINY_ROUNDS` rounds or
     more), so a change in the machine's speed while they run (another tenant, a clock) touches every
     model alike: the caller's per-layer figure is their difference, which a slow spell during one
-    model's calls alone had moved by half (on the H200 the one-GPU row's per-layer host time read
-    0.83-1.77 ms in three calibrations, session 23, when the models ran one after the other).
+    model's calls alone moves. On the H200 (session 23, six calibrations in one process) the
+    per-layer figure's standard deviation was 0.42 ms with the models one after the other and 0.23
+    ms interleaved, the per-step figure's 0.94 and 0.32 ms.
 
     On CUDA the seconds are the host's issuing time (per phase the median over the calls), read at
     the phase borders with no wait for the GPU, as the run's host overhead is (the smoke's
