@@ -34,6 +34,8 @@ class RunConfig:
     log_every: int = _f(10, "refresh the progress bar every N steps")
     eval_users: int = _f(1024, "held-out users scored for the AUC at the end")
     threads: int = _f(0, "torch CPU threads (0: leave torch's default)")
+    deterministic: bool = _f(False, "bitwise-reproducible GPU runs: PyTorch's deterministic "
+                                    "algorithms and cuBLAS's fixed workspace while training")
     flush_denormals: bool = _f(True, "CPU arithmetic treats subnormal floats as zero while training "
                                      "(their slow path cost a hidden-512 model 30% of its step)")
 

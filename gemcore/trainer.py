@@ -28,6 +28,7 @@ import torch
 from gemcore import checkpoint
 from gemcore.config import Config
 from gemcore.data import JaggedDataset, load_user_data, make_synthetic
+from gemcore.determinism import deterministic_algorithms
 from gemcore.gc_schedule import ScheduledGC
 from gemcore.metrics import auc, peak_flops
 from gemcore.model import GemModel, click_loss
@@ -513,7 +514,7 @@ def run_training(config: Config, manager: GemPluginManager, *, resume: str | Non
         trainer.load_state_dict(state, ckpt_path)
     if trainer.is_main:
         (run_dir / "config.toml").write_text(config.to_toml())
-    with flush_denormals(config.run.flush_denormals):
+    with flush_denormals(config.run.flush_denormals), deterministic_algorithms(config.run.deterministic):
         t0 = time.perf_counter()
         rows, stopped = trainer.fit(progress, stop_after)
         wall_s = time.perf_counter() - t0

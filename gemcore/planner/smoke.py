@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--predict", action="store_true",
                     help="also calibrate this machine (gem plan --calibrate's measurements) and print the "
                          "planner's predicted step time beside the measured mean (after an untimed pass over the same batches)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="with --predict: this many pairs of (timed steps, calibration) in turn, each pair "
+                         "adjacent in time; the medians of the measured and the predicted step are compared")
     args = ap.parse_args(argv)
 
     from gemcore.config import AttentionConfig, ModelConfig, TrainConfig
@@ -55,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     from gemcore.plugins.parallel_planned import PlannedParallelism, launcher_env
     from gemcore.precision import flush_denormals
 
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.repeats > 1 and not args.predict:
+        ap.error("--repeats needs --predict (it repeats the timed steps and the calibration in turn)")
     if args.gc_every is not None and args.gc_every < 0:
         ap.error(f"--gc-every must be >= 0 (0: automatic collection), got {args.gc_every}")
     env = launcher_env()
@@ -116,23 +123,30 @@ def main(argv: list[str] | None = None) -> int:
         issued.append({"forward": t1 - t0, "backward": t2 - t1, "after": t3 - t2})
         return loss, None if norm is None else float(norm), seconds
 
-    losses, grad_norms, step_s = [], [], []
     gc_every = TrainConfig().gc_every if args.gc_every is None else args.gc_every
-    # as gem train runs its steps (run.flush_denormals, train.gc_every)
-    with flush_denormals(), ScheduledGC(gc_every) as gc_schedule:
-        if args.predict:
-            # one untimed pass over the same batches first: Triton compiles a kernel variant for each
-            # new length's divisibility, which is not the steady state the planner predicts
+
+    def timed_pass(warm_up: bool) -> tuple[list[float], list[float], list[float]]:
+        """The timed steps (after an untimed pass over the same batches if ``warm_up``): their
+        losses, gradient norms and seconds; ``issued`` holds their host phases."""
+        losses, grad_norms, step_s = [], [], []
+        # as gem train runs its steps (run.flush_denormals, train.gc_every)
+        with flush_denormals(), ScheduledGC(gc_every) as gc_schedule:
+            if warm_up:
+                # Triton compiles a kernel variant for each new length's divisibility, which is not
+                # the steady state the planner predicts
+                for step in range(args.steps):
+                    train_step(step)
+            issued.clear()
             for step in range(args.steps):
-                train_step(step)
-        issued.clear()
-        for step in range(args.steps):
-            loss, norm, seconds = train_step(step)
-            gc_schedule.step(step + 1)
-            losses.append(loss)
-            step_s.append(seconds)
-            if norm is not None:
-                grad_norms.append(norm)
+                loss, norm, seconds = train_step(step)
+                gc_schedule.step(step + 1)
+                losses.append(loss)
+                step_s.append(seconds)
+                if norm is not None:
+                    grad_norms.append(norm)
+        return losses, grad_norms, step_s
+
+    losses, grad_norms, step_s = timed_pass(warm_up=args.predict)
     out = {"plan": par.describe(), "losses": losses, "grad_norms": grad_norms}
     if args.mx:
         from gemcore.kernels.mx_fsdp import MXShardedWeight
@@ -149,10 +163,18 @@ def main(argv: list[str] | None = None) -> int:
                             for r in range(par.world_size)])
         first_batch = data.__getitems__(step_users(0)[par.rank::par.world_size])
         lengths = (first_batch.offsets.diff() + first_batch.cand_offsets.diff()).tolist()
-        out.update(_predict(plan, cfg, args, env, step_s, lengths, moments, backend, dtype))
-        # beside the planner's issued host time: what this run's host issued, per phase (a GPU
-        # runs ahead of none of it; on a CPU it is the compute itself)
-        out["host_issued_s_measured"] = {k: sum(s[k] for s in issued) / len(issued) for k in issued[0]}
+        pairs = []
+        for repeat in range(args.repeats):
+            if repeat:
+                step_s = timed_pass(warm_up=False)[2]
+            pair = _predict(plan, cfg, args, env, step_s, lengths, moments, backend, dtype)
+            # beside the planner's issued host time: what this run's host issued, per phase (a GPU
+            # runs ahead of none of it; on a CPU it is the compute itself)
+            pair["host_issued_s_measured"] = {k: sum(s[k] for s in issued) / len(issued) for k in issued[0]}
+            pairs.append(pair)
+        out.update(pairs[-1])
+        if args.repeats > 1:
+            out.update(_medians(pairs))
     if env["rank"] == 0:
         print(json.dumps(out), flush=True)
     if par.mesh is not None:
@@ -205,6 +227,25 @@ def _predict(plan, cfg, args, env, step_s: list[float], lengths: list[int],
             "last_step_predicted_split_s": {"compute": est.compute_s, "host_overhead": est.host_overhead_s,
                                   **est.comm_exposed_s},
             "host_issued_s_predicted": est.host_issue_s}
+
+
+def _medians(pairs: list[dict]) -> dict:
+    """The repeated pairs' summary: the median measured and median predicted step and their ratio
+    (the comparison), the median of the pairs' own ratios, and each pair's figures.
+
+    A host-bound step on a shared machine is known only to about ±15 % from one second to the
+    next (session 24, one H200 process: identical 20-step passes measured 12.4-17.2 ms), and its
+    calibration alike; a pair's ratio carries both, the medians of repeats neither's outliers."""
+    import statistics
+
+    measured = statistics.median(p["step_s_measured"] for p in pairs)
+    predicted = statistics.median(p["step_s_predicted"] for p in pairs)
+    return {"step_s_measured": measured, "step_s_predicted": predicted,
+            "predicted_over_measured": predicted / measured,
+            "median_pair_ratio": statistics.median(p["predicted_over_measured"] for p in pairs),
+            "pairs": [{k: p[k] for k in ("step_s_measured", "step_s_predicted", "predicted_over_measured")}
+                      | {"calibration": {k: v for k, v in p["calibration"].items() if "overhead" in k}}
+                      for p in pairs]}
 
 
 if __name__ == "__main__":
