@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+import torch.utils.deterministic
 
 from gemcore.determinism import CUBLAS_WORKSPACE, deterministic_algorithms
 
@@ -19,7 +20,10 @@ def test_the_block_switches_deterministic_algorithms_on_and_restores_them(monkey
         assert torch.are_deterministic_algorithms_enabled()
         assert not torch.is_deterministic_algorithms_warn_only_enabled()
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == CUBLAS_WORKSPACE
+        assert not torch.utils.deterministic.fill_uninitialized_memory   # a debugging aid, twice the cost
+        assert torch.empty(1 << 16).isnan().sum() < 1 << 16             # left as the allocator had it
     assert not torch.are_deterministic_algorithms_enabled()
+    assert torch.utils.deterministic.fill_uninitialized_memory          # PyTorch's default is back
     assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
     with deterministic_algorithms(enabled=False):
         assert not torch.are_deterministic_algorithms_enabled()
