@@ -11,9 +11,9 @@ for bit (two pairs of 60 and 200 steps). gemcore's own Triton attention kernels 
 CPU the runs already agree (the checkpoint tests prove it).
 
 PyTorch's deterministic mode also fills every new tensor's memory (NaN for floats) unless told not
-to; that is a check for reads of memory nothing wrote, not needed for reproducibility, and it cost
-the hidden-512 run about 22 % of its tokens/s against about 11 % without it (two runs each). The
-block turns it off; set ``torch.utils.deterministic.fill_uninitialized_memory`` inside it to debug.
+to; that is a check for reads of memory nothing wrote, not needed for reproducibility (the runs
+agreed bit for bit without it), and it cost the hidden-512 run about 22 % of its tokens/s against
+about 10 % without it (medians of 2-6 runs). The block turns it off; set ``torch.utils.deterministic.fill_uninitialized_memory`` inside it to debug.
 """
 from __future__ import annotations
 

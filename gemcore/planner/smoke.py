@@ -5,6 +5,7 @@ before clipping (one JSON line, rank 0).
     torchrun --nproc-per-node 4 -m gemcore.planner.smoke --degrees dp_shard=2,pp=2,mbs=2 --blocks 4
     python -m gemcore.planner.smoke --steps 3          # one process: the reference losses
     python -m gemcore.planner.smoke --device cuda --predict --hidden 512 --blocks 4 --max-len 512
+    python -m gemcore.planner.smoke --device cuda --predict --repeats 5 ...   # medians of 5 pairs
 
 Every run draws the same model initialisation and the same global batches (users
 ``[s*B, (s+1)*B)`` at step s, split over the data-parallel ranks as the ``random`` sampler does),
