@@ -71,7 +71,8 @@ class DataConfig:
 
 @dataclass
 class AttentionConfig:
-    impl: str = _f("reference", "attention hook point: which implementation")
+    impl: str = _f("auto", "attention hook point: which implementation (auto: attention.activation, "
+                           "Triton kernels on CUDA, the PyTorch reference on CPU)")
     activation: str = _f("softmax", "softmax | silu | gelu | gelu_tanh | relu | relu2 | identity")
     scale: float = _f(0.0, "q.k multiplier (0: 1/sqrt(head_dim))")
     norm: float = _f(0.0, "non-softmax output divisor (0: max_seqlen)")

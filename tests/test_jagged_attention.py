@@ -211,7 +211,8 @@ def _manager():
 
 
 @pytest.mark.parametrize("impl, config_act, expected", [
-    ("jfa", "silu", "softmax"), ("gdpa", "softmax", "silu"), ("gdpa", "gelu_tanh", "gelu_tanh")])
+    ("jfa", "silu", "softmax"), ("gdpa", "softmax", "silu"), ("gdpa", "gelu_tanh", "gelu_tanh"),
+    ("auto", "softmax", "softmax"), ("auto", "silu", "silu")])
 def test_plugin_factories_pick_activation(impl, config_act, expected):
     attn = _manager().resolve("attention", impl).factory(AttentionConfig(activation=config_act))
     q, k, v, offsets, _ = _case([4, 1, 0], [], "self", dtype=torch.float32)
@@ -222,9 +223,28 @@ def test_plugin_factories_pick_activation(impl, config_act, expected):
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
-@pytest.mark.parametrize("impl", ["jfa", "gdpa"])
+def test_auto_is_the_reference_on_cpu_and_the_triton_kernels_on_cuda(device, activation):
+    """The default implementation: the reference's function bit for bit on a CPU tensor, the
+    Triton kernels' on a CUDA tensor (whose output differs from the reference by rounding)."""
+    from gemcore.kernels.jagged_attention import make_attention
+
+    config = AttentionConfig(activation=activation)
+    auto = _manager().resolve("attention", "auto").factory(config)
+    q, k, v, offsets, _ = _case([5, 1, 0, 3], [], "self", D=16, Dv=16, dtype=torch.float32)
+    q, k, v, offsets = (t.to(device) for t in (q, k, v, offsets))
+    targets = torch.tensor([2, 1, 0, 0], device=device)
+    got = auto(q, k, v, offsets, causal=True, num_targets=targets, max_seqlen=5)
+    want = make_attention(config, backend="triton" if device == "cuda" else "reference")(
+        q, k, v, offsets, causal=True, num_targets=targets, max_seqlen=5)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("impl", ["auto", "jfa", "gdpa"])
 def test_model_trains_with_jagged_attention(impl, device):
     from gemcore.data import make_synthetic
     from gemcore.model import GemModel

@@ -52,7 +52,8 @@ def toy_dist(tmp_path, monkeypatch):
 
 def test_builtin_plugins_come_from_entry_points():
     manager = create_plugin_manager()
-    for point, name in [("attention", "reference"), ("precision", "fp32"), ("precision", "bf16"),
+    assert AttentionConfig().impl == "auto"                     # the default is a built-in
+    for point, name in [("attention", "auto"), ("attention", "reference"), ("precision", "fp32"), ("precision", "bf16"),
                         ("parallelism", "single"), ("data", "random")]:
         impl = manager.resolve(point, name)
         assert impl.distribution == "gemcore", (point, name, impl)
