@@ -24,8 +24,8 @@ REQUIRED_KEYS = ("format_version", "step", "config", "model", "optimizer", "sche
 #: config keys a resumed run may change: how long and how it runs, not what it computes
 RESUME_MAY_CHANGE = {
     "run.name", "run.out_dir", "run.max_steps", "run.log_every", "run.eval_users", "run.threads",
-    "run.device", "run.deterministic", "train.checkpoint_every", "train.max_time_s", "train.eval_every", "train.gc_every",
-    "plugins.disable",
+    "run.device", "run.deterministic", "train.checkpoint_every", "train.max_time_s", "train.eval_every",
+    "train.gc_every", "plugins.disable",
 }
 
 

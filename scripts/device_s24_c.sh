@@ -20,12 +20,7 @@ sys.exit(main(sys.argv[1:]))" train --device cuda --max-steps 200 --quiet --name
     --set attention.impl=jfa --set precision.impl=bf16 --set run.deterministic=$set_det \
     --set model.hidden=512 --set model.num_blocks=4 --set model.num_heads=4 > /tmp/train.log 2>&1
   echo -n "deterministic=$det run $i rc=$? "
-  python3 - runs/det${det}_$i <<'PY' || tail -5 /tmp/train.log
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1] + "/metrics.jsonl") if '"loss"' in l]
-late = sorted(r["tokens_per_s"] for r in rows[len(rows) // 2:][::10])
-print("second-half median tokens/s:", round(late[len(late) // 2]), "last loss:", rows[-1]["loss"])
-PY
+  python3 scripts/run_summary.py runs/det${det}_$i || tail -5 /tmp/train.log
 done; done
 export PREDICT_TIMEOUT=150
 for i in 4 5; do

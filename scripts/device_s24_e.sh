@@ -10,12 +10,5 @@ timeout -s INT 120 python3 -m pytest -q -p no:cacheprovider -rs tests/test_jagge
 for impl in auto reference; do
   timeout 100 gem train --device cuda --max-steps 100 --quiet --name dflt_$impl --set attention.impl=$impl > /tmp/train.log 2>&1
   echo -n "attention.impl=$impl rc=$? "
-  python3 - runs/dflt_$impl <<'PY' || tail -5 /tmp/train.log
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1] + "/metrics.jsonl") if '"loss"' in l]
-late = sorted(r["tokens_per_s"] for r in rows[len(rows) // 2:][::10])
-s = json.load(open(sys.argv[1] + "/summary.json"))
-print("second-half median tokens/s:", round(late[len(late) // 2]), "last loss:", rows[-1]["loss"],
-      "held-out AUC:", s.get("heldout_auc", s.get("auc")))
-PY
+  python3 scripts/run_summary.py runs/dflt_$impl || tail -5 /tmp/train.log
 done
