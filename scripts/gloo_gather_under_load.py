@@ -7,7 +7,11 @@ what the gather adds in each case (ms per call, rank 0).
 
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 scripts/gloo_gather_under_load.py
 """
-import os, time, torch, torch.distributed as dist
+import time
+
+import torch
+import torch.distributed as dist
+
 dist.init_process_group("gloo")
 r = dist.get_rank(); torch.set_num_threads(1)
 shard = torch.randn(327936); out = torch.empty(2 * 327936)
