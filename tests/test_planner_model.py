@@ -41,6 +41,23 @@ def test_plan_parse_and_strides():
             Plan.parse(bad)
 
 
+def test_fsdp_reshards_after_forward_unless_pipelined_by_default():
+    """TorchTitan's default policy: a pipeline keeps the gathered weights (each micro-batch would
+    gather them again); an explicit setting wins either way."""
+    assert Plan(dp_shard=8).reshard_after_forward is True
+    assert Plan(dp_shard=4, pp=2).reshard_after_forward is False
+    assert Plan.parse("dp_shard=4,pp=2").reshard_after_forward is False
+    assert Plan.parse("dp_shard=4,pp=2,reshard=true").reshard_after_forward is True
+    assert Plan.parse("dp_shard=8,reshard=false").reshard_after_forward is False
+    model = PRESETS["deepseek-v3"]
+    cluster = make_cluster("h200", 256, 8)
+    kept, resharded = (estimate(model, cluster, Plan.parse(text), seq_len=4096, global_batch=256)
+                       for text in ("pp=16,dp_shard=2,tp=8", "pp=16,dp_shard=2,tp=8,reshard=true"))
+    # 128 micro-batches: resharded, every one gathers the stage's weights in its forward and backward
+    assert resharded.comm_exposed_s["fsdp"] > 50 * kept.comm_exposed_s["fsdp"]
+    assert kept.memory_total > resharded.memory_total
+
+
 def test_violations_name_each_rule():
     model = PRESETS["llama3-8b"]
     problems = Plan(tp=3, pp=64, ep=1).violations(model, global_batch=8, world_size=192)
