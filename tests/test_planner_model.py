@@ -119,6 +119,28 @@ def test_memory_matches_hand_count():
     assert two.memory_total == sum(two.memory.values())
 
 
+TINY_MOE = dataclasses.replace(TINY, name="tiny-moe", num_experts=4, top_k=2)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_fsdp_gathers_only_the_ep_groups_experts(reshard):
+    """Each GPU holds 1/ep of the experts, so an FSDP all-gather brings back its group's share:
+    per MoE layer 4 experts x 3 x 8 x 16 = 1536 weights, 768 with ep=2. The sharded state
+    (16 B per weight over dp_shard) does not depend on ep."""
+    cluster = make_cluster("h100", 4)
+    one, two = (estimate(TINY_MOE, cluster, Plan(dp_shard=4, ep=ep, reshard_after_forward=reshard),
+                         seq_len=4, global_batch=4) for ep in (1, 2))
+    assert one.memory["optimizer"] == two.memory["optimizer"]
+    # resharded: two gathered layers (bf16 weights and gradients); else the stage's bf16 weights
+    # and fp32 unsharded gradients
+    layers = 2
+    weight_bytes, grad_bytes = (2, 2) if reshard else (2, 4)
+    assert one.memory["parameters"] - two.memory["parameters"] == weight_bytes * layers * 768
+    assert one.memory["gradients"] - two.memory["gradients"] == grad_bytes * layers * 768
+    # ep=2 gathers each expert group's 768 weights per layer among 2 GPUs instead of 1536 among 4
+    assert two.comm_exposed_s["fsdp"] < one.comm_exposed_s["fsdp"]
+
+
 def test_peak_memory_holds_gradients_or_activations():
     from gemcore.planner.cost import peak_memory
 

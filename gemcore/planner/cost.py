@@ -316,7 +316,9 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
     # ------------------------------------------------------------------ memory
     memory = {"parameters": FP32 * local, "gradients": FP32 * local, "optimizer": 2 * FP32 * local,
               "activations": 0.0}
-    layer_weights = (dense_layers + expert_layers) / L / tp
+    # what an FSDP all-gather leaves on a GPU: its tp shard of the dense weights and of its own
+    # ep group's experts (each GPU holds 1/ep of the experts; FSDP shards those over f/ep)
+    layer_weights = (dense_layers + expert_layers / ep) / L / tp
     if plan.fsdp_size > 1:
         if plan.reshard_after_forward:
             gathered = 2 * layer_weights          # the current layer and the prefetched next one
@@ -325,8 +327,8 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
             memory["parameters"] += act_b * (gathered + edge / tp)
             memory["gradients"] += act_b * gathered
         else:                                     # gathered once per step, grads accumulate unsharded
-            memory["parameters"] += act_b * (stage_dense + stage_expert + edge) / tp
-            memory["gradients"] += FP32 * (stage_dense + stage_expert + edge) / tp
+            memory["parameters"] += act_b * (stage_dense + stage_expert / ep + edge) / tp
+            memory["gradients"] += FP32 * (stage_dense + stage_expert / ep + edge) / tp
     if model.kind == "gem":                       # item table: fp32 rows + row-wise Adagrad, over all GPUs
         rows = model.embedding_rows
         memory["parameters"] += FP32 * rows * h / cluster.gpus
@@ -411,9 +413,10 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
         bw, latency, _ = cluster.group_bandwidth(2, plan.stride(MeshAxis.PP))
         pp_mb = 2 * v * (act_bytes / tp / bw + latency)   # activations forward, gradients back
 
-    # FSDP over dp_shard x cp (dense) and dp_shard x cp / ep (experts), stride tp / tp·ep
+    # FSDP over dp_shard x cp (dense) and dp_shard x cp / ep (experts), stride tp / tp·ep; an
+    # expert group gathers its own 1/ep of the experts
     dense_w = (stage_dense + edge) / tp
-    expert_w = stage_expert / tp
+    expert_w = stage_expert / (tp * ep)
 
     def fsdp(weight_count: float, n: int, stride: int, gathers: int, scatters: int, units: float) -> float:
         """``units`` FSDP2 units (one collective each, so one latency each) holding ``weight_count``."""
