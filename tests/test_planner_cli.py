@@ -118,3 +118,15 @@ def test_cluster_file_tiers(capsys, tmp_path):
                              "--global-batch", "32")
     assert code == code2 == 0 and tiered["gpu"] == "a100"
     assert tiered["plans"][0]["step_time_s"] > flat["plans"][0]["step_time_s"]
+
+
+def test_a_gpu_bound_step_reports_no_host_time(capsys):
+    """With the datasheet's zero host overheads a GPU-bound step has exactly none: the phase-by-phase
+    host/GPU play must not leave rounding residue (it had printed "host overhead -8.88e-16 s")."""
+    assert main(["plan", "--model", "llama3-70b", "--gpus", "64", "--gpus-per-node", "8", "--gpu", "h100",
+                 "--top", "5", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert len(plans) == 5 and all(p["host_overhead_s"] == 0.0 for p in plans)
+    assert main(["plan", "--model", "llama3-70b", "--gpus", "64", "--gpus-per-node", "8", "--gpu", "h100",
+                 "--top", "1"]) == 0
+    assert "host overhead" not in capsys.readouterr().out

@@ -480,6 +480,8 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
         host_exposed = gpu_done_s(n_mb, host_issue["forward"] / n_mb, compute_mb / 3,
                                   host_issue["backward"] / n_mb, bwd_mb, after_host,
                                   optimizer_s + fsdp_copy_s) - compute_total
+        # a GPU-bound step: the difference is rounding (it had printed "-8.88e-16 s" of host time)
+        host_exposed = host_exposed if host_exposed > 1e-9 * compute_total else 0.0
     compute_total += host_exposed
     step = compute_total + sum(comm.values()) + bubble
 
