@@ -329,6 +329,23 @@ def test_search_explains_a_model_that_cannot_fit():
     assert result.smallest_memory.memory_total > result.smallest_memory.memory_limit
 
 
+def test_search_keeps_a_pipeline_that_fits_only_resharded():
+    """The search's quick memory check must take the layout's least memory (resharded, full
+    recompute), also for a pipeline, whose plans default to keeping the gathered weights."""
+    from gemcore.planner.cost import MEMORY_HEADROOM
+
+    model, layout = PRESETS["llama3-70b"], dict(pp=2, dp_shard=8)
+    cluster = make_cluster("h100", 16, 8)
+    need = {reshard: estimate(model, cluster, Plan(**layout, ac="full", reshard_after_forward=reshard),
+                              global_batch=16).memory_total for reshard in (True, False)}
+    assert need[True] < need[False]
+    hbm_gb = (need[True] + need[False]) / 2 / MEMORY_HEADROOM / 1e9      # fits resharded only
+    cluster = dataclasses.replace(cluster, gpu=dataclasses.replace(cluster.gpu, hbm_gb=hbm_gb))
+    result = search(model, cluster, global_batch=16, top=1,
+                    allow=lambda p: (p.pp, p.dp_shard, p.tp, p.cp) == (2, 8, 1, 1))
+    assert result.plans and result.plans[0].plan.reshard_after_forward is True
+
+
 @pytest.mark.parametrize("name, gpus", [("llama3-8b", 8), ("gem-small", 4)])
 def test_more_gpus_never_lower_total_throughput(name, gpus):
     """Weak scaling: doubling the GPUs (and the batch) never lowers the best total tokens/s."""

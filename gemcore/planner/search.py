@@ -76,7 +76,8 @@ def search(model: ModelSpec, cluster: Cluster, *, seq_len: int | None = None,
             _count(rejected, "not allowed")
             continue
         # the least memory this layout can take: one sequence per micro-batch, full recompute
-        probe = Plan(dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, pp=pp, ep=ep, ac="full")
+        probe = Plan(dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, pp=pp, ep=ep, ac="full",
+                     reshard_after_forward=True)
         if not probe.broken_rules(model, B, cluster.gpus):
             est = estimate(model, cluster, probe, seq_len=S, global_batch=B)
             if smallest is None or est.memory_total < smallest.memory_total:
