@@ -128,6 +128,39 @@ def test_collectives_on_busy_cores_hide_behind_nothing():
     assert latency_only.comm_exposed_s["fsdp"] == pytest.approx(n_mb * 3 * 1e-3 * units, rel=0.01)
 
 
+def test_a_slower_reduce_scatter_scales_only_the_reduce_scatters():
+    """``reduce_scatter_factor`` multiplies the reduce-scatters' bytes term, not the all-gathers'.
+    Hand count, bf16, no latency, nothing hidden: FSDP per micro-batch gathers the weights twice
+    (2 B each) and reduce-scatters them once in fp32 (4 B): 2·2 + 4 = 8 B units at factor 1 and
+    2·2 + 3·4 = 16 at factor 3. TP with sequence parallelism: 2 all-gathers and 2 reduce-scatters of
+    the activations per pass, 4 units and 2 + 2·3 = 8."""
+    fields = {"comm_overlaps_compute": False, "link_latency_s": 1e-30, "activation_bytes": 2}
+    fsdp, tp = Plan(dp_shard=2, mbs=4), Plan(dp_shard=1, tp=2, mbs=4)
+    for plan, axis in ((fsdp, "fsdp"), (tp, "tp")):
+        one = estimate(SMALL, _two_rank_cluster(**fields), plan, global_batch=8)
+        three = estimate(SMALL, _two_rank_cluster(reduce_scatter_factor=3.0, **fields), plan, global_batch=8)
+        assert one.comm_exposed_s[axis] > 0
+        assert three.comm_exposed_s[axis] == pytest.approx(2 * one.comm_exposed_s[axis], rel=1e-9), axis
+        assert three.compute_s == one.compute_s
+
+
+def test_a_calibrated_fsdp_copy_rate_costs_fsdp2s_copies_alone():
+    """``fsdp_copy_bytes_per_s`` replaces the HBM rate for FSDP2's copies and nothing else. Hand
+    count, bf16, FSDP resharding, one micro-batch of 8: every unsharded weight (the blocks' and the
+    root's head) is copied out after each of 2 all-gathers (4 B) and copied in before 1
+    reduce-scatter (14 B): 22 B a weight."""
+    plan = Plan(dp_shard=2, mbs=8, reshard_after_forward=True)
+    rates = [estimate(SMALL, _two_rank_cluster(fsdp_copy_bytes_per_s=r, activation_bytes=2), plan,
+                      global_batch=16) for r in (1e9, 2e9)]
+    assert rates[0].num_microbatches == 1
+    weights = sum(SMALL.layer_params) + SMALL.head_params()
+    assert rates[0].compute_s - rates[1].compute_s == pytest.approx(22 * weights * (1 / 1e9 - 1 / 2e9), rel=1e-9)
+    # one process: no FSDP, no copies, whatever the rate
+    alone = [estimate(SMALL, _cpu_cluster(fsdp_copy_bytes_per_s=r), Plan(dp_shard=1, mbs=8), global_batch=8)
+             for r in (1e9, 2e9)]
+    assert alone[0].step_time_s == alone[1].step_time_s
+
+
 def test_data_parallel_overheads_count_only_when_sharded():
     fields = {"fsdp_layer_overhead_s": 2e-3, "data_parallel_step_overhead_s": 7e-3}
     plan = Plan(dp_shard=2, mbs=2)

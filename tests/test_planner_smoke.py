@@ -5,7 +5,12 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
+import os
+import socket
 import statistics
+import subprocess
+import sys
 
 import pytest
 
@@ -17,6 +22,26 @@ def run_smoke(args: list[str]) -> dict:
     with contextlib.redirect_stdout(out):
         assert main(args) == 0
     return json.loads(out.getvalue().strip().splitlines()[-1])
+
+
+def test_two_gloo_ranks_calibrate_the_collectives_and_fsdp_copies():
+    """Under a process group the calibration measures all-gather and reduce-scatter apart, FSDP2's
+    copy rate and the data-parallel overheads, and the prediction uses them (two CPU ranks)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+           "-m", "gemcore.planner.smoke", "--predict", "--steps", "2", "--hidden", "16", "--blocks", "1",
+           "--max-len", "8"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    d = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+    rates = d["calibration"]
+    for key in ("fsdp_busbw", "reduce_scatter_factor", "allreduce_busbw", "fsdp_copy_bytes_per_s",
+                "collective_latency_s"):
+        assert math.isfinite(rates[key]) and rates[key] > 0, key
+    assert d["step_s_predicted"] > 0 and d["last_step_predicted_split_s"]["fsdp"] > 0
 
 
 def test_repeated_pairs_are_compared_by_their_medians():

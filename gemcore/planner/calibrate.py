@@ -352,30 +352,51 @@ def _sharded_overheads(backend: str, device: str, dtype: torch.dtype, shape: dic
 
 
 def _collectives(layer_bytes: float, device: str) -> dict[str, float]:
-    """All-gather + reduce-scatter at FSDP2's per-block size and at 1 KiB (latency), all-reduce."""
+    """All-gather and reduce-scatter timed apart, at FSDP2's per-block size and at 1 KiB (their
+    latency), each into a fresh output as FSDP2 allocates one per call; an all-reduce; and the
+    rate of FSDP2's copies.
+
+    Apart because they differ: gloo on the 2-core CPU took 1.6-2.3x as long for a block's
+    reduce-scatter as for its all-gather, longer than an all-reduce of the same buffer (session 25;
+    the run's FSDP2 reduce-scatters then cost twice what a timed pair split evenly had given). The
+    fresh output costs its page faults on a CPU, as the run's do."""
     import torch.distributed as dist
 
     world = dist.get_world_size()
-    out = {}
+    all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)     # torch >= 2.13
+    reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
-    def pair(nbytes: float) -> float:
+    def seconds(op: str, nbytes: float) -> tuple[float, int]:
         n = max(world, int(nbytes // 4) // world * world)
         full = torch.ones(n, device=device)
-        shard = torch.empty(n // world, device=device)
-
-        def run():
-            dist.all_gather_into_tensor(full, shard)
-            dist.reduce_scatter_tensor(shard, full)
+        shard = torch.ones(n // world, device=device)
+        if op == "all_gather":
+            def run():
+                all_gather(torch.empty_like(full), shard)
+        else:
+            def run():
+                reduce_scatter(torch.empty_like(shard), full)
         dist.barrier()
         return _timed(run, repeats=7, budget_s=0.0), n * 4   # the same call count on every rank
 
-    t_small, _ = pair(1024)
-    t_big, big = pair(max(layer_bytes, 64 * 1024))
-    out["collective_latency_s"] = t_small / 2
-    out["fsdp_busbw"] = 2 * big * (world - 1) / world / max(t_big - t_small, 1e-9)
-    buf = torch.ones(int(max(layer_bytes, 64 * 1024) // 4), device=device)
+    big_bytes = max(layer_bytes, 64 * 1024)
+    ag_small, _ = seconds("all_gather", 1024)
+    ag_big, big = seconds("all_gather", big_bytes)
+    rs_small, _ = seconds("reduce_scatter", 1024)
+    rs_big, _ = seconds("reduce_scatter", big_bytes)
+    ag_bytes_s = max(ag_big - ag_small, 1e-9)
+    out = {"collective_latency_s": (ag_small + rs_small) / 2,
+           "fsdp_busbw": big * (world - 1) / world / ag_bytes_s,
+           "reduce_scatter_factor": max(rs_big - rs_small, 1e-9) / ag_bytes_s}
+    buf = torch.ones(int(big_bytes // 4), device=device)
     t_allreduce = _timed(lambda: dist.all_reduce(buf), budget_s=0.0)
     out["allreduce_busbw"] = buf.numel() * 4 * 2 * (world - 1) / world / t_allreduce
+    # FSDP2's copy-out and copy-in: a layer's weights into a fresh buffer, every rank at once
+    # (session 25, the 2-core CPU: 7-14 GB/s, the run's copies 5-7; the activation-sized product
+    # of ``copy_bytes_per_s`` read 89 there from the caches)
+    dist.barrier()
+    t_copy = _timed(lambda: torch.empty_like(buf).copy_(buf), repeats=20, budget_s=0.0)
+    out["fsdp_copy_bytes_per_s"] = 2 * buf.numel() * 4 / t_copy
     return out
 
 
@@ -388,8 +409,8 @@ def measure(spec=None, *, lengths: list[int] | None = None, sequences: int = 16,
     ``seq_len``; on a CPU at most 8 sequences of at most 1024 tokens, so a large preset stays
     measurable: the reference attention holds an L×L score matrix per head). Returns gemm_flops (square), gemm_flops_model, attention_flops (per counted
     FLOP), sequence_overhead_s, copy_bytes_per_s, optimizer_bytes_per_s, layer_overhead_s, step_overhead_s,
-    forward_host_share, optimizer_host_s, optimizer_layer_s, activation_bytes and, under a process group, collective_latency_s, fsdp_busbw,
-    allreduce_busbw."""
+    forward_host_share, optimizer_host_s, optimizer_layer_s, activation_bytes and, under a process group, collective_latency_s, fsdp_busbw
+    (all-gather), reduce_scatter_factor, allreduce_busbw, fsdp_copy_bytes_per_s."""
     device, dtype = _device_dtype(dtype)
     if backend == "auto":
         backend = "triton" if device == "cuda" else "reference"
@@ -493,6 +514,7 @@ def calibrate_cluster(cluster: Cluster, rates: dict[str, float] | None = None, *
         attention_efficiency=rates["attention_flops"] / peak,
         hbm_gbps=rates["copy_bytes_per_s"] / 1e9, memory_efficiency=1.0,
         optimizer_bytes_per_s=rates.get("optimizer_bytes_per_s", 0.0),
+        fsdp_copy_bytes_per_s=rates.get("fsdp_copy_bytes_per_s", 0.0),
         activation_bytes=int(rates.get("activation_bytes", 2)),
         layer_overhead_s=rates.get("layer_overhead_s", 0.0),
         sequence_overhead_s=rates.get("sequence_overhead_s", 0.0),
@@ -508,7 +530,8 @@ def calibrate_cluster(cluster: Cluster, rates: dict[str, float] | None = None, *
     if bus:
         gpu = dataclasses.replace(gpu, intra_node_gbps=bus / 1e9, inter_node_gbps=bus / 1e9,
                                   link_efficiency=1.0,
-                                  link_latency_s=rates.get("collective_latency_s", 0.0))
+                                  link_latency_s=rates.get("collective_latency_s", 0.0),
+                                  reduce_scatter_factor=rates.get("reduce_scatter_factor", 1.0))
     summary = {k: float(f"{v:.4g}") for k, v in rates.items()}
     return dataclasses.replace(cluster, gpu=gpu), summary
 

@@ -52,9 +52,18 @@ class GpuKind:
     power_clock_exponent: float = 1 / 3  #: f ∝ (P_limit / P_tdp)^this: 1/3 (P ∝ f³) .. 1 (voltage floor)
     activation_bytes: int = 2           #: bytes per element the run computes in (2: bf16; 4: fp32 on CPU)
     link_latency_s: float = 0.0         #: per-collective latency (0: LATENCY_INTRA_S / LATENCY_INTER_S)
+    #: a reduce-scatter's bytes term over an all-gather's of the same size and group (1: nccl-tests
+    #: count both at one bus bandwidth; ``--calibrate`` under a process group measures it: gloo on
+    #: the 2-core CPU read 1.6-2.3, its reduce-scatter of a buffer outlasting an all-reduce of it)
+    reduce_scatter_factor: float = 1.0
     #: the optimizer pass's streaming rate, bytes/s (``--calibrate`` measures it at the rank's share of
     #: the weights; 0: the HBM rate, as on the datasheet kinds)
     optimizer_bytes_per_s: float = 0.0
+    #: FSDP2's copies' rate (copy-out after each all-gather, copy-in before each reduce-scatter),
+    #: bytes/s: ``--calibrate`` under a process group measures a copy of one layer's weights into a
+    #: fresh buffer, every rank at once (0: the HBM rate). On the 2-core CPU the run's copies went at
+    #: 5-7 GB/s where the activation-sized product the HBM rate comes from read 89 from the caches
+    fsdp_copy_bytes_per_s: float = 0.0
     #: host time that does not scale with size, per fwd+bwd (``--calibrate`` measures them; 0 on the
     #: datasheet kinds): per layer and micro-batch, per sequence and layer (attention that loops over
     #: sequences), and per step (embeddings, head, loss, optimizer)

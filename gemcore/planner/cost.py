@@ -231,14 +231,17 @@ ATTENTION_HW_FACTOR = 3.5 / 3.0
 
 # ---------------------------------------------------------------------- collectives
 def ring_time(cluster: Cluster, plan: Plan, axis: MeshAxis, full_bytes: float, *,
-              all_reduce: bool = False, size: int | None = None, stride: int | None = None) -> float:
-    """All-gather / reduce-scatter of ``full_bytes`` (the unsharded size) over ``axis``'s groups:
-    S·(n−1)/n / busbw (x2 for all-reduce) plus one latency."""
+              all_reduce: bool = False, reduce_scatter: bool = False, size: int | None = None,
+              stride: int | None = None) -> float:
+    """All-gather of ``full_bytes`` (the unsharded size) over ``axis``'s groups: S·(n−1)/n / busbw
+    plus one latency; a reduce-scatter's bytes term times the GPU's ``reduce_scatter_factor``; an
+    all-reduce's twice the all-gather's."""
     n = size if size is not None else plan.degree(axis)
     if n <= 1 or full_bytes <= 0:
         return 0.0
     bw, latency, _ = cluster.group_bandwidth(n, stride if stride is not None else plan.stride(axis))
-    return (2.0 if all_reduce else 1.0) * full_bytes * (n - 1) / n / bw + latency
+    factor = 2.0 if all_reduce else (cluster.gpu.reduce_scatter_factor if reduce_scatter else 1.0)
+    return factor * full_bytes * (n - 1) / n / bw + latency
 
 
 def all_to_all_time(cluster: Cluster, n: int, stride: int, send_bytes: float) -> float:
@@ -398,7 +401,9 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
     # ------------------------------------------------------------------ communication per micro-batch
     passes = 3 if plan.ac == "full" else 2        # forward, backward (+ forward again)
     act_bytes = act_b * tokens_mb * h              # one activation tensor of the micro-batch
-    tp_mb = stage_layers * passes * 4 * ring_time(cluster, plan, MeshAxis.TP, act_bytes)
+    # each pass: 2 all-gathers (into attention and the MLP) and 2 reduce-scatters (out of them)
+    tp_mb = stage_layers * passes * 2 * (ring_time(cluster, plan, MeshAxis.TP, act_bytes)
+                                         + ring_time(cluster, plan, MeshAxis.TP, act_bytes, reduce_scatter=True))
     kv_chunk = act_b * tokens_mb * model.kv_dim
     cp_layer = (cp - 1) * (kv_chunk * (1 + 2 + (1 if plan.ac == "full" else 0))
                            / cluster.group_bandwidth(cp, plan.stride(MeshAxis.CP))[0]) if cp > 1 else 0.0
@@ -424,7 +429,8 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
             return 0.0
         more_latency = max(0.0, units - 1) * cluster.group_bandwidth(n, stride)[1]
         gather = ring_time(cluster, plan, MeshAxis.DP_SHARD, act_b * weight_count, size=n, stride=stride)
-        scatter = ring_time(cluster, plan, MeshAxis.DP_SHARD, FP32 * weight_count, size=n, stride=stride)
+        scatter = ring_time(cluster, plan, MeshAxis.DP_SHARD, FP32 * weight_count, reduce_scatter=True,
+                            size=n, stride=stride)
         return gathers * (gather + more_latency) + scatters * (scatter + more_latency)
 
     fsdp_n, fsdp_exp_n = plan.fsdp_size, plan.fsdp_size // ep
@@ -435,7 +441,7 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
     copied = (dense_w if fsdp_n > 1 else 0.0) + (expert_w if fsdp_exp_n > 1 else 0.0)
     n_gather, n_scatter = (2 * n_mb, n_mb) if plan.reshard_after_forward else (1, 1)
     fsdp_copy_s = dtype_scale * copied * (n_gather * FSDP_GATHER_COPY_BYTES
-                                          + n_scatter * FSDP_SCATTER_COPY_BYTES) / hbm
+                                          + n_scatter * FSDP_SCATTER_COPY_BYTES) / (g.fsdp_copy_bytes_per_s or hbm)
     if plan.reshard_after_forward:
         fsdp_per_mb = (fsdp(dense_w, fsdp_n, tp, 2, 1, dense_units)
                        + fsdp(expert_w, fsdp_exp_n, tp * ep, 2, 1, expert_units))
