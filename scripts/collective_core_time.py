@@ -39,8 +39,11 @@ def log_and_run(argv: list[str]) -> None:
             return result
         setattr(dist, name, call)
 
-    for name in ("all_gather_single", "reduce_scatter_single", "all_reduce"):
-        timed(name)
+    # FSDP2's calls: torch 2.13 names them *_single, 2.11 *_into_tensor / *_tensor (one of each, so
+    # no call is logged twice through a wrapper)
+    for names in (("all_gather_single", "all_gather_into_tensor"),
+                  ("reduce_scatter_single", "reduce_scatter_tensor"), ("all_reduce",)):
+        timed(next(name for name in names if hasattr(dist, name)))
     sys.argv = ["smoke", *argv]
     smoke = runpy.run_module("gemcore.planner.smoke", run_name="smoke")
     try:

@@ -207,6 +207,8 @@ def test_measure_on_this_machine_and_calibrated_rates_reach_the_cost_model():
     cluster, summary = calibrate_cluster(make_cluster("h100", 1, 1), rates, spec=SMALL)
     g = cluster.gpu
     assert g.activation_bytes == rates["activation_bytes"] and g.host_synchronous == (not cuda)
+    # FSDP2 calls gloo synchronously: on CPU ranks nothing hides behind compute, spare cores or not
+    assert g.comm_overlaps_compute == cuda
     assert g.layer_overhead_s == rates["layer_overhead_s"]
     assert g.optimizer_bytes_per_s == rates["optimizer_bytes_per_s"]
     assert (g.forward_host_share, g.optimizer_host_s, g.optimizer_layer_s) == (

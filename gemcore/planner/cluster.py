@@ -84,9 +84,9 @@ class GpuKind:
     #: the device runs each op before the host issues the next (CPU): host overhead adds to compute;
     #: otherwise (GPU, asynchronous launches) only the part above the compute time shows
     host_synchronous: bool = False
-    #: collectives progress beside the compute (GPU: copy engines / NCCL's own SMs). False where the
-    #: collective threads take the cores the compute runs on (CPU ranks filling every core): then no
-    #: communication hides behind compute and every collective adds to the step
+    #: collectives progress beside the compute (GPU: copy engines / NCCL's own SMs). False on CPU
+    #: ranks (``--calibrate`` there): FSDP2 calls gloo synchronously, so the rank waits out each
+    #: collective and every collective adds to the step
     comm_overlaps_compute: bool = True
 
     @property
