@@ -144,6 +144,18 @@ def test_a_slower_reduce_scatter_scales_only_the_reduce_scatters():
         assert three.compute_s == one.compute_s
 
 
+def test_the_compute_parts_sum_to_the_compute():
+    fields = {"layer_overhead_s": 1e-3, "step_overhead_s": 5e-3}
+    for cluster, plan in ((_cpu_cluster(host_synchronous=True, **fields), Plan(dp_shard=1, mbs=2)),
+                          (_two_rank_cluster(**fields), Plan(dp_shard=2, mbs=2, reshard_after_forward=True))):
+        e = estimate(SMALL, cluster, plan, global_batch=8)
+        parts = e.compute_parts_s
+        assert set(parts) == {"gemm", "attention", "elementwise", "optimizer", "fsdp_copies", "host"}
+        assert sum(parts.values()) == pytest.approx(e.compute_s, rel=1e-12)
+        assert parts["host"] == e.host_overhead_s and all(v > 0 for k, v in parts.items() if k != "fsdp_copies")
+        assert (parts["fsdp_copies"] > 0) == (plan.dp_shard > 1)
+
+
 def test_a_calibrated_fsdp_copy_rate_costs_fsdp2s_copies_alone():
     """``fsdp_copy_bytes_per_s`` replaces the HBM rate for FSDP2's copies and nothing else. Hand
     count, bf16, FSDP resharding, one micro-batch of 8: every unsharded weight (the blocks' and the

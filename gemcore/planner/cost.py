@@ -61,6 +61,9 @@ class Estimate:
     #: the host time issued per phase ("forward", "backward", "after": clipping and optimizer), of
     #: which host_overhead_s is what the device waits on
     host_issue_s: dict[str, float] = field(default_factory=dict)
+    #: compute_s by part: "gemm", "attention", "elementwise" (all micro-batches), "optimizer",
+    #: "fsdp_copies", "host" (= host_overhead_s); they sum to compute_s
+    compute_parts_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -501,7 +504,10 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
                     bubble_s=bubble, step_time_s=step, tokens_per_step=tokens_step,
                     model_flops_per_step=model_flops, num_gpus=cluster.gpus, peak_flops=cluster.peak_flops,
                     num_microbatches=n_mb, intra_node=inside, inter_node=across,
-                    host_overhead_s=host_exposed, host_issue_s=host_issue)
+                    host_overhead_s=host_exposed, host_issue_s=host_issue,
+                    compute_parts_s={"gemm": n_mb * t_gemm, "attention": n_mb * t_attn,
+                                     "elementwise": n_mb * t_ew, "optimizer": optimizer_s,
+                                     "fsdp_copies": fsdp_copy_s, "host": host_exposed})
 
 
 def gpu_done_s(n_mb: int, host_fwd: float, gpu_fwd: float, host_bwd: float, gpu_bwd: float,

@@ -227,6 +227,7 @@ def _predict(plan, cfg, args, env, step_s: list[float], lengths: list[int],
             "per_step_ratio_min_max": [min(ratios), max(ratios)],
             "last_step_predicted_split_s": {"compute": est.compute_s, "host_overhead": est.host_overhead_s,
                                   **est.comm_exposed_s},
+            "last_step_predicted_compute_parts_s": est.compute_parts_s,
             "host_issued_s_predicted": est.host_issue_s}
 
 
