@@ -9,8 +9,9 @@ echo "cores: $(nproc); $(lscpu | grep 'Model name' | sed 's/  */ /g')"
 summary='import json, sys
 d = json.loads([l for l in sys.stdin if l.startswith("{")][-1]); c = d["calibration"]
 pairs = [round(p["predicted_over_measured"], 3) for p in d.get("pairs", [])]
-print(f"measured {d[\"step_s_measured\"]:.4f} s predicted {d[\"step_s_predicted\"]:.4f} s ratio {d[\"predicted_over_measured\"]:.3f} pairs {pairs}",
-      "split", {k: round(v * 1e3, 1) for k, v in d["last_step_predicted_split_s"].items()},
+m, p, r = d["step_s_measured"], d["step_s_predicted"], d["predicted_over_measured"]
+split = {k: round(v * 1e3, 1) for k, v in d["last_step_predicted_split_s"].items()}
+print(f"measured {m:.4f} s predicted {p:.4f} s ratio {r:.3f} pairs {pairs} split {split}",
       "rs_factor", c.get("reduce_scatter_factor"), "copy GB/s", round(c.get("fsdp_copy_bytes_per_s", 0) / 1e9, 1))'
 row() {   # ranks hidden blocks max_len repeats
   local n=$1
