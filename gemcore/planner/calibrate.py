@@ -391,13 +391,34 @@ def _collectives(layer_bytes: float, device: str) -> dict[str, float]:
     buf = torch.ones(int(big_bytes // 4), device=device)
     t_allreduce = _timed(lambda: dist.all_reduce(buf), budget_s=0.0)
     out["allreduce_busbw"] = buf.numel() * 4 * 2 * (world - 1) / world / t_allreduce
-    # FSDP2's copy-out and copy-in: a layer's weights into a fresh buffer, every rank at once
-    # (session 25, the 2-core CPU: 7-14 GB/s, the run's copies 5-7; the activation-sized product
-    # of ``copy_bytes_per_s`` read 89 there from the caches)
-    dist.barrier()
-    t_copy = _timed(lambda: torch.empty_like(buf).copy_(buf), repeats=20, budget_s=0.0)
-    out["fsdp_copy_bytes_per_s"] = 2 * buf.numel() * 4 / t_copy
+    out["fsdp_copy_bytes_per_s"] = _copy_after_gather_rate(big_bytes, device, all_gather)
     return out
+
+
+def _copy_after_gather_rate(nbytes: float, device: str, all_gather, calls: int = 12) -> float:
+    """Bytes/s of FSDP2's copy-out: an all-gather's fresh output, just written by the collective,
+    copied into a fresh buffer of the same size (``nbytes``: a layer's weights); the copy alone is
+    timed, every rank making the same calls. Session 25, the 2-core CPU: the run's FSDP2 copies went
+    at 5-7 GB/s; a copy of a buffer the copying thread had written itself read 12-25, one right
+    after gloo wrote it 8-10 (the activation-sized product of ``copy_bytes_per_s``: 89, from the
+    caches)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    n = max(world, int(nbytes // 4) // world * world)
+    shard = torch.ones(n // world, device=device)
+    copied = 0.0
+    dist.barrier()
+    for call in range(calls + 1):
+        gathered = torch.empty(n, device=device)
+        all_gather(gathered, shard)
+        _sync()
+        t0 = time.perf_counter()
+        torch.empty_like(gathered).copy_(gathered)
+        _sync()
+        if call:                                   # the first is the warm-up
+            copied += time.perf_counter() - t0
+    return 2 * n * 4 * calls / max(copied, 1e-12)
 
 
 def measure(spec=None, *, lengths: list[int] | None = None, sequences: int = 16,

@@ -60,9 +60,10 @@ class GpuKind:
     #: the weights; 0: the HBM rate, as on the datasheet kinds)
     optimizer_bytes_per_s: float = 0.0
     #: FSDP2's copies' rate (copy-out after each all-gather, copy-in before each reduce-scatter),
-    #: bytes/s: ``--calibrate`` under a process group measures a copy of one layer's weights into a
-    #: fresh buffer, every rank at once (0: the HBM rate). On the 2-core CPU the run's copies went at
-    #: 5-7 GB/s where the activation-sized product the HBM rate comes from read 89 from the caches
+    #: bytes/s: ``--calibrate`` under a process group times the copy of an all-gather's fresh output
+    #: (one layer's weights) into a fresh buffer (0: the HBM rate). On the 2-core CPU the run's copies
+    #: went at 5-7 GB/s where the activation-sized product the HBM rate comes from read 89 from the
+    #: caches
     fsdp_copy_bytes_per_s: float = 0.0
     #: host time that does not scale with size, per fwd+bwd (``--calibrate`` measures them; 0 on the
     #: datasheet kinds): per layer and micro-batch, per sequence and layer (attention that loops over
