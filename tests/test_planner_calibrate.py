@@ -144,6 +144,17 @@ def test_a_slower_reduce_scatter_scales_only_the_reduce_scatters():
         assert three.compute_s == one.compute_s
 
 
+def test_a_collectives_bytes_time_is_its_call_less_the_latency_and_at_least_a_hundredth_of_it():
+    from gemcore.planner.calibrate import _bytes_seconds
+
+    assert _bytes_seconds(1e-3, 5e-3) == pytest.approx(4e-3)
+    # noise: the big call ran faster than the small one; the bytes still take a share of it, so a
+    # ratio of two such figures stays a ratio of the calls (100 x 1e-9 s floors had read 62,760)
+    ag, rs = _bytes_seconds(1.0e-3, 0.9e-3), _bytes_seconds(1.0e-3, 1.2e-3)
+    assert ag == pytest.approx(0.9e-5) and rs == pytest.approx(2e-4)
+    assert _bytes_seconds(0.0, 0.0) == 1e-9
+
+
 def test_the_compute_parts_sum_to_the_compute():
     fields = {"layer_overhead_s": 1e-3, "step_overhead_s": 5e-3}
     for cluster, plan in ((_cpu_cluster(host_synchronous=True, **fields), Plan(dp_shard=1, mbs=2)),

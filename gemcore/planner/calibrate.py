@@ -384,10 +384,7 @@ def _collectives(layer_bytes: float, device: str) -> dict[str, float]:
     ag_big, big = seconds("all_gather", big_bytes)
     rs_small, _ = seconds("reduce_scatter", 1024)
     rs_big, _ = seconds("reduce_scatter", big_bytes)
-    # the bytes' share of each big call; where a layer is so small that it drowns in the latency's
-    # noise, at least 1 % of the call (a floor of 1e-9 s had read a factor of 62,760 at hidden 16)
-    ag_bytes_s = max(ag_big - ag_small, 0.01 * ag_big, 1e-9)
-    rs_bytes_s = max(rs_big - rs_small, 0.01 * rs_big, 1e-9)
+    ag_bytes_s, rs_bytes_s = _bytes_seconds(ag_small, ag_big), _bytes_seconds(rs_small, rs_big)
     out = {"collective_latency_s": (ag_small + rs_small) / 2,
            "fsdp_busbw": big * (world - 1) / world / ag_bytes_s,
            "reduce_scatter_factor": rs_bytes_s / ag_bytes_s}
@@ -396,6 +393,13 @@ def _collectives(layer_bytes: float, device: str) -> dict[str, float]:
     out["allreduce_busbw"] = buf.numel() * 4 * 2 * (world - 1) / world / t_allreduce
     out["fsdp_copy_bytes_per_s"] = _copy_after_gather_rate(big_bytes, device, all_gather)
     return out
+
+
+def _bytes_seconds(small_s: float, big_s: float) -> float:
+    """The bytes' share of a big collective call: its time less the small call's (the latency).
+    Where a layer is so small that its bytes drown in the latency's noise, at least 1 % of the call
+    (a floor of 1e-9 s had read ``reduce_scatter_factor`` 62,760 at hidden 16, session 25)."""
+    return max(big_s - small_s, 0.01 * big_s, 1e-9)
 
 
 def _copy_after_gather_rate(nbytes: float, device: str, all_gather, calls: int = 12) -> float:
