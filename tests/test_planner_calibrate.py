@@ -149,7 +149,7 @@ def test_a_collectives_bytes_time_is_its_call_less_the_latency_and_at_least_a_hu
 
     assert _bytes_seconds(1e-3, 5e-3) == pytest.approx(4e-3)
     # noise: the big call ran faster than the small one; the bytes still take a share of it, so a
-    # ratio of two such figures stays a ratio of the calls (100 x 1e-9 s floors had read 62,760)
+    # ratio of two such figures stays a ratio of the calls (a 1e-9 s floor had read 62,760)
     ag, rs = _bytes_seconds(1.0e-3, 0.9e-3), _bytes_seconds(1.0e-3, 1.2e-3)
     assert ag == pytest.approx(0.9e-5) and rs == pytest.approx(2e-4)
     assert _bytes_seconds(0.0, 0.0) == 1e-9
