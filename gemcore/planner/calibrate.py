@@ -358,8 +358,9 @@ def _collectives(layer_bytes: float, device: str) -> dict[str, float]:
 
     Apart because they differ: gloo on the 2-core CPU took 1.6-2.3x as long for a block's
     reduce-scatter as for its all-gather, longer than an all-reduce of the same buffer (session 25;
-    the run's FSDP2 reduce-scatters then cost twice what a timed pair split evenly had given). The
-    fresh output costs its page faults on a CPU, as the run's do."""
+    in the run a block's reduce-scatter took 3.6-4.2 ms once both ranks were in it, where a timed
+    pair split evenly had given 2.8). The fresh output costs its page faults on a CPU, as the
+    run's do."""
     import torch.distributed as dist
 
     world = dist.get_world_size()

@@ -54,7 +54,8 @@ class GpuKind:
     link_latency_s: float = 0.0         #: per-collective latency (0: LATENCY_INTRA_S / LATENCY_INTER_S)
     #: a reduce-scatter's bytes term over an all-gather's of the same size and group (1: nccl-tests
     #: count both at one bus bandwidth; ``--calibrate`` under a process group measures it: gloo on
-    #: the 2-core CPU read 1.6-2.3, its reduce-scatter of a buffer outlasting an all-reduce of it)
+    #: the 2-core CPU read 0.9-2.8, median about 1.5, its reduce-scatter of a buffer outlasting an
+    #: all-reduce of it)
     reduce_scatter_factor: float = 1.0
     #: the optimizer pass's streaming rate, bytes/s (``--calibrate`` measures it at the rank's share of
     #: the weights; 0: the HBM rate, as on the datasheet kinds)
