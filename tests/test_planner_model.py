@@ -288,14 +288,36 @@ def test_torchtitan_sac_policy_is_a_rule_for_dense_llms_only():
 def test_collective_uses_the_tier_bandwidth():
     cluster = make_cluster("h100", 16)
     plan = Plan(dp_shard=16)
-    # 16 ranks over 2 nodes, 8 per node: min(NVLink 360, 8 NICs x 40) = 320 GB/s bus bandwidth
-    assert ring_time(cluster, plan, MeshAxis.DP_SHARD, 1e9) == pytest.approx(1e9 * 15 / 16 / 320e9 + 40e-6)
+    # 16 ranks over 2 nodes, 8 per node: min(NVLink 360, 8 NICs x 40) = 320 GB/s bus bandwidth;
+    # a 1 GB ring takes NCCL's Simple protocol: 8.4 µs + 14 NVLink steps x 3.4 + 1 network step x 9.6
+    assert ring_time(cluster, plan, MeshAxis.DP_SHARD, 1e9) == pytest.approx(
+        1e9 * 15 / 16 / 320e9 + (8.4 + 14 * 3.4 + 9.6) * 1e-6)
     inside = Plan(dp_shard=2, tp=8)
-    assert ring_time(cluster, inside, MeshAxis.TP, 1e9) == pytest.approx(1e9 * 7 / 8 / 360e9 + 15e-6)
+    assert ring_time(cluster, inside, MeshAxis.TP, 1e9) == pytest.approx(1e9 * 7 / 8 / 360e9 + (8.4 + 7 * 3.4) * 1e-6)
     tiered = dataclasses.replace(make_cluster("h100", 32), tiers=(Tier("pod", 16, 1.0), Tier("spine", 32, 4.0)))
-    # tp=1, dp_shard=32 spans both pods: 8 NICs x 40 GB/s / 4
+    # tp=1, dp_shard=32 spans both pods: 8 NICs x 40 GB/s / 4; 4 nodes: 28 NVLink and 3 network steps
     assert ring_time(tiered, Plan(dp_shard=32), MeshAxis.DP_SHARD, 1e9) == pytest.approx(
-        1e9 * 31 / 32 / 80e9 + 40e-6)
+        1e9 * 31 / 32 / 80e9 + (8.4 + 28 * 3.4 + 3 * 9.6) * 1e-6)
+
+
+def test_a_rings_latency_grows_with_its_steps_and_small_messages_take_the_low_latency_protocol():
+    """NCCL's ring model: LL (3.6 µs + 0.47 per NVLink step + 2.7 per network step, 1/3 of the
+    bandwidth inside a node, 1/4 across) for small messages, Simple (8.4 + 3.4 + 9.6 µs, all of
+    it) for large ones; a measured latency (``--calibrate``) replaces the model."""
+    one_node, many = make_cluster("h100", 8), make_cluster("h100", 1024)
+    # 1 KiB all-gather inside a node: LL's 3.6 + 7 x 0.47 µs and three times the bytes' time
+    bytes_s = 1024 * 7 / 8 / 360e9
+    assert ring_time(one_node, Plan(dp_shard=8), MeshAxis.DP_SHARD, 1024) == pytest.approx(
+        (3.6 + 7 * 0.47) * 1e-6 + 3 * bytes_s)
+    # over 1,024 ranks on 128 nodes: 896 NVLink and 127 network steps, ~0.77 ms where one flat
+    # per-collective latency (the model before session 25) said 40 µs
+    small = ring_time(many, Plan(dp_shard=1024), MeshAxis.DP_SHARD, 1024)
+    assert small == pytest.approx((3.6 + 896 * 0.47 + 127 * 2.7) * 1e-6, rel=1e-3)
+    # an all-reduce steps twice as often
+    assert ring_time(one_node, Plan(dp_replicate=8), MeshAxis.DP_REPLICATE, 1024, all_reduce=True) == pytest.approx(
+        (3.6 + 14 * 0.47) * 1e-6 + 4 * 2 * bytes_s)
+    measured = dataclasses.replace(one_node, gpu=dataclasses.replace(one_node.gpu, link_latency_s=1e-3))
+    assert ring_time(measured, Plan(dp_shard=8), MeshAxis.DP_SHARD, 1024) == pytest.approx(1e-3 + bytes_s)
 
 
 def test_recompute_trades_memory_for_time():

@@ -51,7 +51,9 @@ class GpuKind:
     power_limit_w: float = 0.0          #: power cap the GPUs run under, W (0: the TDP)
     power_clock_exponent: float = 1 / 3  #: f ∝ (P_limit / P_tdp)^this: 1/3 (P ∝ f³) .. 1 (voltage floor)
     activation_bytes: int = 2           #: bytes per element the run computes in (2: bf16; 4: fp32 on CPU)
-    link_latency_s: float = 0.0         #: per-collective latency (0: LATENCY_INTRA_S / LATENCY_INTER_S)
+    #: per-collective latency as ``--calibrate`` measures it (0: NCCL's ring model for collectives,
+    #: :meth:`Cluster.ring_collective_s`; LATENCY_INTRA_S / LATENCY_INTER_S for sends and all-to-alls)
+    link_latency_s: float = 0.0
     #: a reduce-scatter's bytes term over an all-gather's of the same size and group (1: nccl-tests
     #: count both at one bus bandwidth; ``--calibrate`` under a process group measures it: gloo on
     #: the 2-core CPU read 0.9-2.8, median about 1.5, its reduce-scatter of a buffer outlasting an
@@ -122,9 +124,30 @@ GPUS: dict[str, GpuKind] = {
                     inter_node_gbps=25, tdp_w=400),
 }
 
-#: per-collective launch + synchronisation latency, seconds
+#: per-operation launch + synchronisation latency of point-to-point sends and all-to-alls, seconds
 LATENCY_INTRA_S = 15e-6
 LATENCY_INTER_S = 40e-6
+
+
+@dataclass(frozen=True)
+class RingProtocol:
+    """One of NCCL's ring protocols in NCCL's own cost model (``src/graph/tuning.cc``, the tables
+    of the 2.8 era): a base latency, one per ring step over NVLink and over the network (seconds),
+    and the share of the bus bandwidth it reaches inside a node and across nodes (or in an
+    all-reduce)."""
+
+    name: str
+    base_s: float
+    nvlink_step_s: float
+    network_step_s: float
+    bandwidth_share: float
+    bandwidth_share_across: float
+
+
+#: LL (8-byte flag+data stores: low latency, 1/3 of the bandwidth, 1/4 across nodes) and Simple.
+#: LL128 is left out: NCCL's model enables it by default on some architectures only.
+RING_PROTOCOLS = (RingProtocol("LL", 3.6e-6, 0.47e-6, 2.7e-6, 1 / 3, 1 / 4),
+                  RingProtocol("Simple", 8.4e-6, 3.4e-6, 9.6e-6, 1.0, 1.0))
 
 
 @dataclass(frozen=True)
@@ -223,6 +246,31 @@ class Cluster:
         members_per_node = max(1, self.gpus_per_node // stride)
         inter = g.inter_node_gbps * g.link_efficiency * 1e9 / self.oversubscription(span)
         return min(intra, members_per_node * inter), g.link_latency_s or LATENCY_INTER_S, False
+
+    def ring_collective_s(self, size: int, stride: int, bytes_s: float, *, all_reduce: bool = False) -> float:
+        """Seconds of a ring all-gather / reduce-scatter (``all_reduce``: all-reduce) over ``size``
+        ranks ``stride`` apart whose bytes take ``bytes_s`` at the group's bus bandwidth.
+
+        With a measured ``link_latency_s`` (``--calibrate``): ``bytes_s`` + that latency. Else
+        NCCL's ring model: n−1 steps (2(n−1) for all-reduce), of which those between the k nodes
+        the group spans, k−1 (2(k−1)), cross the network; each protocol of :data:`RING_PROTOCOLS`
+        costs base + steps' latencies + ``bytes_s`` / its bandwidth share, and NCCL takes the
+        fastest. A small message over many ranks is latency-bound: 1 KiB over 1,024 ranks on 128
+        nodes costs ~0.77 ms (LL), where one flat latency would say 40 µs."""
+        g = self.gpu
+        if g.link_latency_s:
+            return bytes_s + g.link_latency_s
+        members_per_node = min(size, max(1, self.gpus_per_node // stride))
+        nodes = -(-size // members_per_node)
+        steps, network_steps = size - 1, nodes - 1
+        if all_reduce:
+            steps, network_steps = 2 * steps, 2 * network_steps
+        best = float("inf")
+        for p in RING_PROTOCOLS:
+            share = p.bandwidth_share_across if (nodes > 1 or all_reduce) else p.bandwidth_share
+            latency = p.base_s + (steps - network_steps) * p.nvlink_step_s + network_steps * p.network_step_s
+            best = min(best, latency + bytes_s / share)
+        return best
 
     def nic_bandwidth(self, span: int) -> float:
         """One GPU's own inter-node bandwidth (all-to-all cannot pool NICs), B/s."""

@@ -237,14 +237,15 @@ def ring_time(cluster: Cluster, plan: Plan, axis: MeshAxis, full_bytes: float, *
               all_reduce: bool = False, reduce_scatter: bool = False, size: int | None = None,
               stride: int | None = None) -> float:
     """All-gather of ``full_bytes`` (the unsharded size) over ``axis``'s groups: S·(n−1)/n / busbw
-    plus one latency; a reduce-scatter's bytes term times the GPU's ``reduce_scatter_factor``; an
-    all-reduce's twice the all-gather's."""
+    plus the ring's latency (:meth:`Cluster.ring_collective_s`); a reduce-scatter's bytes term times
+    the GPU's ``reduce_scatter_factor``; an all-reduce's twice the all-gather's."""
     n = size if size is not None else plan.degree(axis)
     if n <= 1 or full_bytes <= 0:
         return 0.0
-    bw, latency, _ = cluster.group_bandwidth(n, stride if stride is not None else plan.stride(axis))
+    stride = stride if stride is not None else plan.stride(axis)
+    bw, _, _ = cluster.group_bandwidth(n, stride)
     factor = 2.0 if all_reduce else (cluster.gpu.reduce_scatter_factor if reduce_scatter else 1.0)
-    return factor * full_bytes * (n - 1) / n / bw + latency
+    return cluster.ring_collective_s(n, stride, factor * full_bytes * (n - 1) / n / bw, all_reduce=all_reduce)
 
 
 def all_to_all_time(cluster: Cluster, n: int, stride: int, send_bytes: float) -> float:
@@ -427,14 +428,14 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
     expert_w = stage_expert / (tp * ep)
 
     def fsdp(weight_count: float, n: int, stride: int, gathers: int, scatters: int, units: float) -> float:
-        """``units`` FSDP2 units (one collective each, so one latency each) holding ``weight_count``."""
-        if n <= 1:
+        """``units`` FSDP2 units (one collective each) holding ``weight_count`` between them."""
+        if n <= 1 or units <= 0:
             return 0.0
-        more_latency = max(0.0, units - 1) * cluster.group_bandwidth(n, stride)[1]
-        gather = ring_time(cluster, plan, MeshAxis.DP_SHARD, act_b * weight_count, size=n, stride=stride)
-        scatter = ring_time(cluster, plan, MeshAxis.DP_SHARD, FP32 * weight_count, reduce_scatter=True,
+        unit = weight_count / units
+        gather = ring_time(cluster, plan, MeshAxis.DP_SHARD, act_b * unit, size=n, stride=stride)
+        scatter = ring_time(cluster, plan, MeshAxis.DP_SHARD, FP32 * unit, reduce_scatter=True,
                             size=n, stride=stride)
-        return gathers * (gather + more_latency) + scatters * (scatter + more_latency)
+        return units * (gathers * gather + scatters * scatter)
 
     fsdp_n, fsdp_exp_n = plan.fsdp_size, plan.fsdp_size // ep
     # one unit per block, plus the root (embeddings, head) on the stages that hold them
