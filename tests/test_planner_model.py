@@ -345,6 +345,18 @@ def test_search_returns_feasible_plans_best_first(name, gpus):
         assert (p.dp_shard * p.cp) % p.ep == 0 and batch % (p.dp * p.mbs) == 0
 
 
+def test_a_small_model_on_many_nodes_shards_within_a_few_nodes_and_replicates_across():
+    """GEM-style topology awareness: gem-small's FSDP collectives are small, so over 1,024 ranks
+    the ring's latency (1,023 steps, ~0.8 ms each collective) outweighs the memory that sharding
+    wider saves. The search replicates across groups of nodes (HSDP); with one flat latency per
+    collective (before session 25) it sharded over all 1,024."""
+    model, cluster = PRESETS["gem-small"], make_cluster("h200", 1024)
+    best = search(model, cluster, top=1).plans[0]
+    assert best.plan.dp_replicate > 1 and best.plan.dp_shard < 1024
+    flat = estimate(model, cluster, Plan(dp_shard=1024, mbs=best.plan.mbs))
+    assert flat.step_time_s > 3 * best.step_time_s
+
+
 def test_search_explains_a_model_that_cannot_fit():
     result = search(PRESETS["llama3-405b"], make_cluster("h100", 8), global_batch=8)
     assert result.plans == [] and result.rejected.get("memory", 0) > 0
