@@ -368,7 +368,7 @@ def _collectives(layer_bytes: float, device: str) -> dict[str, float]:
     reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
     def seconds(op: str, nbytes: float) -> tuple[float, int]:
-        n = max(world, int(nbytes // 4) // world * world)
+        n = _float32_numel(nbytes, world)
         full = torch.ones(n, device=device)
         shard = torch.ones(n // world, device=device)
         if op == "all_gather":
@@ -396,6 +396,11 @@ def _collectives(layer_bytes: float, device: str) -> dict[str, float]:
     return out
 
 
+def _float32_numel(nbytes: float, world: int) -> int:
+    """Float32 elements in ``nbytes``, a multiple of ``world`` (each rank's shard equal), at least one a rank."""
+    return max(world, int(nbytes // 4) // world * world)
+
+
 def _bytes_seconds(small_s: float, big_s: float) -> float:
     """The bytes' share of a big collective call: its time less the small call's (the latency).
     Where a layer is so small that its bytes drown in the latency's noise, at least 1 % of the call
@@ -413,7 +418,7 @@ def _copy_after_gather_rate(nbytes: float, device: str, all_gather, calls: int =
     import torch.distributed as dist
 
     world = dist.get_world_size()
-    n = max(world, int(nbytes // 4) // world * world)
+    n = _float32_numel(nbytes, world)
     shard = torch.ones(n // world, device=device)
     copied = 0.0
     dist.barrier()
