@@ -21,7 +21,7 @@ import torch
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
 #: collectives in the order of their signature code (the code is exchanged between ranks)
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "send", "recv")
 
 #: dtypes that reductions accept (others may still be gathered, scattered and broadcast)
 REDUCIBLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64,
@@ -188,9 +188,64 @@ class Communicator(abc.ABC):
             t.copy_(buf)
         return t
 
+    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """:meth:`all_gather` written into ``out`` (``(world_size * n, ...)``, contiguous, ``t``'s
+        dtype and device); returns ``out``. Backends that can write there directly skip a copy."""
+        _need_tensor(t, "t", min_dim=1)
+        _need_out(out, t, (self.world_size * t.shape[0], *t.shape[1:]))
+        self._agree("all_gather", t)
+        self._all_gather_into_impl(out, t.contiguous())
+        return out
+
+    def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """:meth:`reduce_scatter` written into ``out`` (``(m, ...)``, contiguous); returns ``out``."""
+        _need_tensor(t, "t", min_dim=1)
+        _need_op(op, t)
+        if t.shape[0] % self.world_size:
+            raise ValueError(f"t: dim 0 ({t.shape[0]}) must be divisible by world_size ({self.world_size})")
+        _need_out(out, t, (t.shape[0] // self.world_size, *t.shape[1:]))
+        self._agree("reduce_scatter", t, REDUCE_OPS.index(op))
+        self._reduce_scatter_into_impl(out, t.contiguous(), op)
+        return out
+
+    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
+        """Send ``t`` to rank ``dst`` of this group (point to point; ``dst`` posts a matching
+        :meth:`recv` of the same shape and dtype). Returns once ``t`` may be reused."""
+        _need_tensor(t, "t")
+        _need_peer(dst, "dst", self.rank, self.world_size)
+        self._send_impl(t.contiguous(), dst, int(tag))
+
+    def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        """Receive into ``t`` (in place) what rank ``src`` sent with :meth:`send`; returns ``t``."""
+        _need_tensor(t, "t")
+        _need_peer(src, "src", self.rank, self.world_size)
+        if t.is_contiguous():
+            self._recv_impl(t, src, int(tag))
+        else:
+            buf = torch.empty_like(t, memory_format=torch.contiguous_format)
+            self._recv_impl(buf, src, int(tag))
+            t.copy_(buf)
+        return t
+
     def barrier(self) -> None:
         """Return once every rank of the group has entered the barrier."""
         self._barrier_impl()
+
+    def subgroup(self, ranks: Sequence[int], store=None) -> "Communicator":
+        """A communicator of this backend over ``ranks`` (ranks of this group, in increasing order),
+        collective over those ranks only: the ranks outside do not take part, as torch.distributed
+        creates a sub-group's backend on its members only.
+
+        :param store: the torch.distributed store of the new group (a backend without its own
+            rendezvous, such as ``ce``'s delegate, meets there); may be None for backends that
+            need none (``mpi``).
+        """
+        members = sorted(int(r) for r in ranks)
+        if len(set(members)) != len(members) or any(not 0 <= r < self.world_size for r in members):
+            raise ValueError(f"ranks must be distinct ranks in [0, {self.world_size}), got {list(ranks)!r}")
+        if self.rank not in members:
+            raise ValueError(f"ranks {members} must contain this rank ({self.rank})")
+        return self._subgroup_impl(members, store)
 
     def split(self, ranks: Sequence[int] | Sequence[Sequence[int]]) -> "Communicator":
         """A sub-communicator (collective: every rank of this group calls it).
@@ -281,6 +336,22 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def _split_impl(self, groups: list[list[int]], index: int) -> "Communicator": ...
 
+    def _all_gather_into_impl(self, out: torch.Tensor, t: torch.Tensor) -> None:
+        out.copy_(self._all_gather_impl(t))
+
+    def _reduce_scatter_into_impl(self, out: torch.Tensor, t: torch.Tensor, op: str) -> None:
+        out.copy_(self._reduce_scatter_impl(t, op))
+
+    def _send_impl(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        raise NotImplementedError(f"backend {self.backend!r} has no point-to-point send")
+
+    def _recv_impl(self, t: torch.Tensor, src: int, tag: int) -> None:
+        raise NotImplementedError(f"backend {self.backend!r} has no point-to-point recv")
+
+    def _subgroup_impl(self, members: list[int], store) -> "Communicator":
+        raise NotImplementedError(f"backend {self.backend!r} cannot make a sub-group on its members "
+                                  f"alone (needed to serve torch.distributed sub-groups)")
+
     def _finalize_impl(self) -> None:
         pass
 
@@ -301,6 +372,23 @@ def _need_tensor(t, name: str, min_dim: int = 0) -> None:
         raise ValueError(f"{name}: dtype {t.dtype} is not supported (one of {', '.join(map(str, _DTYPES))})")
     if t.device.type not in _DEVICE_TYPES:
         raise ValueError(f"{name}: device {t.device} is not supported (cpu or cuda)")
+
+
+def _need_out(out, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape) or out.dtype != t.dtype or out.device != t.device:
+        raise ValueError(f"out must be {t.dtype} {tuple(shape)} on {t.device}, got {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+
+
+def _need_peer(peer, name: str, rank: int, world_size: int) -> None:
+    if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < world_size:
+        raise ValueError(f"{name} must be a rank in [0, {world_size}), got {peer!r}")
+    if peer == rank:
+        raise ValueError(f"{name}={peer} is this rank: point-to-point needs another rank")
 
 
 def _need_op(op, t: torch.Tensor) -> None:

@@ -72,14 +72,33 @@ def import_cupy():
 
 
 def default_delegate() -> str:
-    """``mpi`` under an MPI launcher when mpi4py is installed, else ``torch``."""
+    """``mpi`` under an MPI launcher when mpi4py is installed, else ``gloo`` (on the job's store,
+    :func:`gemcore.comms.rendezvous.job_store`, outside any torch.distributed process group)."""
     if detect().under_mpi:
         try:
             import mpi4py  # noqa: F401
             return "mpi"
         except ImportError:
             pass
-    return "torch"
+    return "gloo"
+
+
+def make_delegate(name: str, timeout_s: float | None) -> Communicator:
+    """The host-side partner ``name`` (``mpi``, ``gloo`` or ``torch``) of a copy-engine communicator."""
+    if name == "gloo":
+        import torch.distributed as dist
+
+        from gemcore.comms.gloo_store import StoreGlooCommunicator
+        from gemcore.comms.rendezvous import job_store
+
+        launch = detect()
+        store = dist.PrefixStore("gemcore_ce", job_store(launch, timeout_s))
+        return StoreGlooCommunicator(store, launch.rank, launch.world_size, timeout_s=timeout_s,
+                                     local_rank=launch.local_rank)
+    from gemcore.comms import BUILTIN_BACKENDS
+    if name not in ("mpi", "torch"):
+        raise ValueError(f"delegate must be 'mpi', 'gloo' or 'torch', got {name!r}")
+    return BUILTIN_BACKENDS[name](timeout_s=timeout_s, check=False)
 
 
 class _CudaArray:
@@ -112,11 +131,7 @@ class CopyEngineCommunicator(Communicator):
         if isinstance(delegate, Communicator):
             self.delegate = delegate
         else:
-            from gemcore.comms import BUILTIN_BACKENDS
-            name = delegate or default_delegate()
-            if name not in ("mpi", "torch"):
-                raise ValueError(f"delegate must be 'mpi' or 'torch', got {name!r}")
-            self.delegate = BUILTIN_BACKENDS[name](timeout_s=timeout_s, check=False)
+            self.delegate = make_delegate(delegate or default_delegate(), timeout_s)
         d = self.delegate
         self._set_place(d.rank, d.world_size, peers=list(d.peers))
         self.device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
@@ -338,6 +353,17 @@ class CopyEngineCommunicator(Communicator):
 
     def _split_impl(self, groups: list[list[int]], index: int) -> Communicator:
         sub = self.delegate._split_impl(groups, index)
+        return CopyEngineCommunicator(timeout_s=self.timeout_s, check=self.check, delegate=sub,
+                                      window_bytes=_MIN_WINDOW, sync=self.sync)
+
+    def _send_impl(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        self.delegate._send_impl(t, dst, tag)
+
+    def _recv_impl(self, t: torch.Tensor, src: int, tag: int) -> None:
+        self.delegate._recv_impl(t, src, tag)
+
+    def _subgroup_impl(self, members: list[int], store) -> Communicator:
+        sub = self.delegate._subgroup_impl(members, store)
         return CopyEngineCommunicator(timeout_s=self.timeout_s, check=self.check, delegate=sub,
                                       window_bytes=_MIN_WINDOW, sync=self.sync)
 

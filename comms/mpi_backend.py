@@ -108,12 +108,49 @@ class MPICommunicator(Communicator):
 
     # ------------------------------------------------------------------ collectives
     def _all_gather_impl(self, t: torch.Tensor) -> torch.Tensor:
-        src = self._host(t)
         out = self._empty(t, (self.world_size * t.shape[0], *t.shape[1:]))
+        self._all_gather_host(out, self._host(t))
+        return self._back(out, t)
+
+    def _all_gather_into_impl(self, out: torch.Tensor, t: torch.Tensor) -> None:
+        if not self._direct(out):
+            return super()._all_gather_into_impl(out, t)
+        self._all_gather_host(out, self._host(t))
+
+    def _all_gather_host(self, out: torch.Tensor, src: torch.Tensor) -> None:
         send, recv = self._raw(src), self._raw(out)
         recv[1] = send[1]  # MPI's receive count is per rank
         self._wait(self.comm.Iallgather(send, recv), "all_gather")
-        return self._back(out, t)
+
+    def _reduce_scatter_into_impl(self, out: torch.Tensor, t: torch.Tensor, op: str) -> None:
+        if not self._direct(out) or t.dtype in _REDUCE_UPCAST:
+            return super()._reduce_scatter_into_impl(out, t, op)
+        src = self._host(t)
+        self._wait(self.comm.Ireduce_scatter_block(_buffer(src), _buffer(out), self._reduce_ops[op]),
+                   "reduce_scatter")
+        if op == "avg":
+            out.div_(self.world_size)
+
+    def _direct(self, out: torch.Tensor) -> bool:
+        """Whether MPI can write ``out`` itself (host memory, or CUDA with a CUDA-aware MPI)."""
+        return out.device.type == "cpu" or self.cuda_aware
+
+    def _send_impl(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        self._wait(self.comm.Isend(self._raw(self._host(t)), dest=dst, tag=tag), "send")
+
+    def _recv_impl(self, t: torch.Tensor, src: int, tag: int) -> None:
+        buf = t if self._direct(t) else self._empty(t, t.shape)
+        self._wait(self.comm.Irecv(self._raw(buf), source=src, tag=tag), "recv")
+        if buf.data_ptr() != t.data_ptr():
+            t.copy_(buf)
+
+    def _subgroup_impl(self, members: list[int], store) -> Communicator:
+        # MPI_Comm_create_group: collective over the members only
+        group = self.comm.Get_group().Incl(members)
+        sub = self.comm.Create_group(group)
+        group.Free()
+        return MPICommunicator(timeout_s=self.timeout_s, check=self.check, cuda_aware=self.cuda_aware,
+                               _comm=sub, _peers=self._sub_peers(members))
 
     def _reduce_scatter_impl(self, t: torch.Tensor, op: str) -> torch.Tensor:
         src, work = self._reducible(t)

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 
 from gemcore.comms.base import DEFAULT_TIMEOUT_S, Communicator
 from gemcore.comms.launch import LaunchInfo, detect
+from gemcore.comms.rendezvous import mpi_rendezvous
 
 _REDUCE = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
 
@@ -157,6 +157,17 @@ class TorchCommunicator(Communicator):
         # a small all-reduce instead of dist.barrier: NCCL's barrier needs a device per rank
         self._all_reduce_impl(torch.zeros(1), "sum")
 
+    def _send_impl(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        dist.send(t, dst=self._ranks[dst], group=self.group, tag=tag)
+
+    def _recv_impl(self, t: torch.Tensor, src: int, tag: int) -> None:
+        dist.recv(t, src=self._ranks[src], group=self.group, tag=tag)
+
+    def _subgroup_impl(self, members: list[int], store) -> Communicator:
+        mine = dist.new_group([self._ranks[m] for m in members], timeout=_timedelta(self.timeout_s),
+                              use_local_synchronization=True)
+        return TorchCommunicator._sub(self, mine, members, members.index(self.rank))
+
     def _split_impl(self, groups: list[list[int]], index: int) -> Communicator:
         # Only this group's members create it (group-local synchronisation), so a split of a
         # sub-communicator does not need the ranks outside the parent to join in.
@@ -198,7 +209,7 @@ def _init_default_group(launch: LaunchInfo, pg_backend: str, timeout_s: float | 
     if launch.launcher == "none":
         dist.init_process_group(pg_backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     elif launch.under_mpi and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
-        addr, port = _mpi_rendezvous()
+        addr, port = mpi_rendezvous()
         dist.init_process_group(pg_backend, init_method=f"tcp://{addr}:{port}", rank=launch.rank,
                                 world_size=launch.world_size, timeout=timeout)
     else:
@@ -207,24 +218,3 @@ def _init_default_group(launch: LaunchInfo, pg_backend: str, timeout_s: float | 
                                f"MASTER_ADDR/MASTER_PORT")
         dist.init_process_group(pg_backend, init_method="env://", rank=launch.rank,
                                 world_size=launch.world_size, timeout=timeout)
-
-
-def _mpi_rendezvous() -> tuple[str, int]:
-    """Rank 0's address and a free port of it, agreed through MPI."""
-    try:
-        from mpi4py import MPI
-    except ImportError as exc:
-        raise RuntimeError("backend 'torch' under mpirun agrees on its rendezvous address through "
-                           "MPI: install mpi4py (pip install 'gemcore[mpi]') or set MASTER_ADDR and "
-                           f"MASTER_PORT ({exc})") from exc
-    world = MPI.COMM_WORLD
-    hosts = world.allgather(socket.gethostname())
-    if world.rank == 0:
-        addr = "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(socket.gethostname())
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        found = (addr, port)
-    else:
-        found = None
-    return world.bcast(found, root=0)
