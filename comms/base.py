@@ -14,7 +14,7 @@ import os
 import socket
 import sys
 import zlib
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -208,23 +208,35 @@ class Communicator(abc.ABC):
         self._reduce_scatter_into_impl(out, t.contiguous(), op)
         return out
 
-    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
-        """Send ``t`` to rank ``dst`` of this group (point to point; ``dst`` posts a matching
-        :meth:`recv` of the same shape and dtype). Returns once ``t`` may be reused."""
+    def isend(self, t: torch.Tensor, dst: int, tag: int = 0) -> Callable[[], None]:
+        """Start sending ``t`` to rank ``dst`` of this group (point to point; ``dst`` posts a matching
+        receive of the same shape and dtype). Returns ``wait()``: after it, ``t`` may be reused.
+        Sends and receives posted together complete in any order (pipeline schedules rely on it)."""
         _need_tensor(t, "t")
         _need_peer(dst, "dst", self.rank, self.world_size)
-        self._send_impl(t.contiguous(), dst, int(tag))
+        return self._isend_impl(t.contiguous(), dst, int(tag))
 
-    def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
-        """Receive into ``t`` (in place) what rank ``src`` sent with :meth:`send`; returns ``t``."""
+    def irecv(self, t: torch.Tensor, src: int, tag: int = 0) -> Callable[[], None]:
+        """Start receiving into ``t`` (in place) what rank ``src`` sends; returns ``wait()``."""
         _need_tensor(t, "t")
         _need_peer(src, "src", self.rank, self.world_size)
         if t.is_contiguous():
-            self._recv_impl(t, src, int(tag))
-        else:
-            buf = torch.empty_like(t, memory_format=torch.contiguous_format)
-            self._recv_impl(buf, src, int(tag))
+            return self._irecv_impl(t, src, int(tag))
+        buf = torch.empty_like(t, memory_format=torch.contiguous_format)
+        pending = self._irecv_impl(buf, src, int(tag))
+
+        def wait() -> None:
+            pending()
             t.copy_(buf)
+        return wait
+
+    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
+        """:meth:`isend` and wait for it."""
+        self.isend(t, dst, tag)()
+
+    def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        """:meth:`irecv` and wait for it; returns ``t``."""
+        self.irecv(t, src, tag)()
         return t
 
     def barrier(self) -> None:
@@ -342,10 +354,10 @@ class Communicator(abc.ABC):
     def _reduce_scatter_into_impl(self, out: torch.Tensor, t: torch.Tensor, op: str) -> None:
         out.copy_(self._reduce_scatter_impl(t, op))
 
-    def _send_impl(self, t: torch.Tensor, dst: int, tag: int) -> None:
+    def _isend_impl(self, t: torch.Tensor, dst: int, tag: int) -> Callable[[], None]:
         raise NotImplementedError(f"backend {self.backend!r} has no point-to-point send")
 
-    def _recv_impl(self, t: torch.Tensor, src: int, tag: int) -> None:
+    def _irecv_impl(self, t: torch.Tensor, src: int, tag: int) -> Callable[[], None]:
         raise NotImplementedError(f"backend {self.backend!r} has no point-to-point recv")
 
     def _subgroup_impl(self, members: list[int], store) -> "Communicator":

@@ -356,11 +356,11 @@ class CopyEngineCommunicator(Communicator):
         return CopyEngineCommunicator(timeout_s=self.timeout_s, check=self.check, delegate=sub,
                                       window_bytes=_MIN_WINDOW, sync=self.sync)
 
-    def _send_impl(self, t: torch.Tensor, dst: int, tag: int) -> None:
-        self.delegate._send_impl(t, dst, tag)
+    def _isend_impl(self, t: torch.Tensor, dst: int, tag: int):
+        return self.delegate._isend_impl(t, dst, tag)
 
-    def _recv_impl(self, t: torch.Tensor, src: int, tag: int) -> None:
-        self.delegate._recv_impl(t, src, tag)
+    def _irecv_impl(self, t: torch.Tensor, src: int, tag: int):
+        return self.delegate._irecv_impl(t, src, tag)
 
     def _subgroup_impl(self, members: list[int], store) -> Communicator:
         sub = self.delegate._subgroup_impl(members, store)

@@ -67,11 +67,11 @@ class StoreGlooCommunicator(Communicator):
             opts.rootRank, opts.rootTensor = src, 0
             self._run(self.pg.broadcast([t], opts))
 
-    def _send_impl(self, t: torch.Tensor, dst: int, tag: int) -> None:
-        self._run(self.pg.send([t], dst, tag))
+    def _isend_impl(self, t: torch.Tensor, dst: int, tag: int):
+        return self.pg.send([t], dst, tag).wait
 
-    def _recv_impl(self, t: torch.Tensor, src: int, tag: int) -> None:
-        self._run(self.pg.recv([t], src, tag))
+    def _irecv_impl(self, t: torch.Tensor, src: int, tag: int):
+        return self.pg.recv([t], src, tag).wait
 
     def _barrier_impl(self) -> None:
         self._all_reduce_impl(torch.zeros(1), "sum")

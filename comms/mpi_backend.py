@@ -135,14 +135,25 @@ class MPICommunicator(Communicator):
         """Whether MPI can write ``out`` itself (host memory, or CUDA with a CUDA-aware MPI)."""
         return out.device.type == "cpu" or self.cuda_aware
 
-    def _send_impl(self, t: torch.Tensor, dst: int, tag: int) -> None:
-        self._wait(self.comm.Isend(self._raw(self._host(t)), dest=dst, tag=tag), "send")
+    def _isend_impl(self, t: torch.Tensor, dst: int, tag: int):
+        src = self._host(t)
+        request = self.comm.Isend(self._raw(src), dest=dst, tag=tag)
 
-    def _recv_impl(self, t: torch.Tensor, src: int, tag: int) -> None:
+        def wait() -> None:
+            self._wait(request, "send")
+            del src_ref[:]
+        src_ref = [src]  # the buffer stays alive until MPI is done with it
+        return wait
+
+    def _irecv_impl(self, t: torch.Tensor, src: int, tag: int):
         buf = t if self._direct(t) else self._empty(t, t.shape)
-        self._wait(self.comm.Irecv(self._raw(buf), source=src, tag=tag), "recv")
-        if buf.data_ptr() != t.data_ptr():
-            t.copy_(buf)
+        request = self.comm.Irecv(self._raw(buf), source=src, tag=tag)
+
+        def wait() -> None:
+            self._wait(request, "recv")
+            if buf.data_ptr() != t.data_ptr():
+                t.copy_(buf)
+        return wait
 
     def _subgroup_impl(self, members: list[int], store) -> Communicator:
         # MPI_Comm_create_group: collective over the members only

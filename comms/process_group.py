@@ -75,6 +75,32 @@ def _completed(result, tensors: Sequence[torch.Tensor]):
     return make(fut)
 
 
+class _PendingWork(dist.Work):
+    """A point-to-point transfer in flight: ``wait()`` completes it (pipeline schedules post their
+    sends and receives together, then wait, so neither may block when posted)."""
+
+    def __init__(self, waits, tensors) -> None:
+        super().__init__()
+        self._waits, self._tensors, self._done = list(waits), list(tensors), False
+
+    def wait(self, timeout=None) -> bool:
+        if not self._done:
+            for wait in self._waits:
+                wait()
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done
+
+    def get_future(self):
+        self.wait()
+        devices = sorted({t.device for t in self._tensors if t.is_cuda}, key=str)
+        fut = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+        fut.set_result(self._tensors)
+        return fut
+
+
 class CommunicatorProcessGroup(dist.ProcessGroup):
     """A torch.distributed process group whose collectives run on ``comm``.
 
@@ -254,15 +280,11 @@ class CommunicatorProcessGroup(dist.ProcessGroup):
 
     def send(self, tensors, dst: int, tag: int = 0):
         self._served("send", tensors)
-        for t in tensors:
-            self.comm.send(t, dst, tag)
-        return _completed(list(tensors), tensors)
+        return _PendingWork([self.comm.isend(t, dst, tag) for t in tensors], tensors)
 
     def recv(self, tensors, src: int, tag: int = 0):
         self._served("recv", tensors)
-        for t in tensors:
-            self.comm.recv(t, src, tag)
-        return _completed(list(tensors), tensors)
+        return _PendingWork([self.comm.irecv(t, src, tag) for t in tensors], tensors)
 
     def barrier(self, opts=None):
         self.comm.barrier()

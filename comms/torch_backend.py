@@ -118,7 +118,7 @@ class TorchCommunicator(Communicator):
 
     def _all_to_all_direct(self, t: torch.Tensor, in_splits: list[int], out_splits: list[int]) -> torch.Tensor:
         # a functional collective (returns a new tensor): selective activation checkpointing keeps
-        # its output (gemcore.planner.apply.SELECTIVE_AC_SAVE) instead of exchanging again
+        # its output (gemcore.parallel.apply.SELECTIVE_AC_SAVE) instead of exchanging again
         from torch.distributed import _functional_collectives as funcol
 
         group = self.group if self.group is not None else dist.group.WORLD
@@ -157,11 +157,11 @@ class TorchCommunicator(Communicator):
         # a small all-reduce instead of dist.barrier: NCCL's barrier needs a device per rank
         self._all_reduce_impl(torch.zeros(1), "sum")
 
-    def _send_impl(self, t: torch.Tensor, dst: int, tag: int) -> None:
-        dist.send(t, dst=self._ranks[dst], group=self.group, tag=tag)
+    def _isend_impl(self, t: torch.Tensor, dst: int, tag: int):
+        return dist.isend(t, dst=self._ranks[dst], group=self.group, tag=tag).wait
 
-    def _recv_impl(self, t: torch.Tensor, src: int, tag: int) -> None:
-        dist.recv(t, src=self._ranks[src], group=self.group, tag=tag)
+    def _irecv_impl(self, t: torch.Tensor, src: int, tag: int):
+        return dist.irecv(t, src=self._ranks[src], group=self.group, tag=tag).wait
 
     def _subgroup_impl(self, members: list[int], store) -> Communicator:
         mine = dist.new_group([self._ranks[m] for m in members], timeout=_timedelta(self.timeout_s),

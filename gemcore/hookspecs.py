@@ -60,10 +60,14 @@ def gemcore_precision_policies() -> Mapping[str, Callable[..., Any]]:
 def gemcore_parallelism_impls() -> Mapping[str, Callable[..., Any]]:
     """Contribute named parallelism planners/appliers.
 
-    :return: ``{name: factory}``. ``factory(config: gemcore.config.ParallelismConfig, comm)``
-        (``comm`` is the selected communicator or None) returns a
-        :class:`gemcore.parallel.Parallelism`: ``rank``, ``world_size``, ``describe() -> str`` and
-        ``apply(model, device) -> model``. ``parallelism.impl`` selects one.
+    :return: ``{name: factory}``. ``factory(config: gemcore.config.ParallelismConfig, *, comm,
+        run_config)`` returns a :class:`gemcore.parallel.Parallelism`: ``rank``, ``world_size``,
+        ``describe() -> str`` and ``apply(model, device) -> model``. ``comm`` is the job's
+        communicator (the ``communication`` hook's choice, ``comms.backend``) or None: a factory
+        moves every byte of its collectives through it (``gemcore.comms.process_group`` makes it
+        torch.distributed's default group). ``run_config`` is the whole
+        :class:`gemcore.config.Config` of the run (device, model, attention), or None outside
+        ``gem train``. ``parallelism.impl`` selects one.
     """
 
 

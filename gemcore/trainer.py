@@ -5,7 +5,7 @@ the attention implementation) -> precision policy -> parallelism -> AdamW + warm
 the selected batch sampler (each rank reads only its own samples) -> steps -> metrics.jsonl /
 checkpoint.pt / summary.json / curves.png in the run folder (written by rank 0 only). A pipelined
 model (pp > 1: it has ``forward_backward``) trains through that method, its checkpoint is merged
-from the stages (gemcore/planner/pipeline_parallel.py) and global rank 0 writes.
+from the stages (gemcore/parallel/pipeline.py) and global rank 0 writes.
 
 Resume is exact: the checkpoint holds the model, optimizer, LR schedule, gradient scaler, sampler
 and RNG states and the step, and the loop consumes exactly one sampler step per optimizer step, so
@@ -63,7 +63,8 @@ def build_components(config: Config, manager: GemPluginManager) -> Components:
 
         comm = comms.init(config.comms.backend, manager=manager, timeout_s=config.comms.timeout_s,
                           check=config.comms.check)
-    parallelism = manager.resolve("parallelism", config.parallelism.impl).factory(config.parallelism, comm)
+    parallelism = manager.resolve("parallelism", config.parallelism.impl).factory(
+        config.parallelism, comm=comm, run_config=config)
     sampler_factory = manager.resolve("data", config.data.sampler).factory
     return Components(attention, precision, parallelism, comm, sampler_factory)
 
@@ -196,8 +197,8 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """The whole training state; under torch.distributed a collective (every rank calls it),
         gathering sharded (FSDP2) or wrapped (DDP) model and optimizer states into full ones."""
-        if self._distributed():   # stages, shards, experts and TP layout: gemcore/planner/distributed_state.py
-            from gemcore.planner.distributed_state import full_state_dict
+        if self._distributed():   # stages, shards, experts and TP layout: gemcore/parallel/state_dict.py
+            from gemcore.parallel.state_dict import full_state_dict
 
             model_state, optim_state = full_state_dict(unwrap(self.model), self.optimizer)
         else:
@@ -218,7 +219,7 @@ class Trainer:
         checkpoint.check_config(state["config"], self.config.to_dict(), path)
         try:
             if self._distributed():
-                from gemcore.planner.distributed_state import load_full_state_dict
+                from gemcore.parallel.state_dict import load_full_state_dict
 
                 load_full_state_dict(unwrap(self.model), self.optimizer, state["model"], state["optimizer"])
             else:
@@ -446,6 +447,8 @@ class Trainer:
             "eval_auc": self.eval_history,
             "device": str(self.device),
             "parallelism": self.parts.parallelism.describe(),
+            "comms_backend": self.parts.comm.backend if self.parts.comm is not None else "none",
+            "mesh_carriers": getattr(self.parts.parallelism, "carriers", dict)(),
             "world_size": self.parts.parallelism.world_size,
             "model_parallel": self.model_parallel,
             "rank": self.parts.parallelism.rank,

@@ -1,4 +1,4 @@
-"""Activation checkpointing as the planner costs it (gemcore/planner/apply.py ``apply_ac``):
+"""Activation checkpointing as the planner costs it (gemcore/parallel/apply.py ``apply_ac``):
 selective and full give the no-AC loss and gradients, selective runs no matmul again in the
 backward, and the bytes one block keeps for its backward match ``cost.activation_elements``."""
 from __future__ import annotations
@@ -19,8 +19,8 @@ from gemcore.data import JaggedDataset
 from gemcore.kernels.jagged_attention import make_attention
 from gemcore.kernels.jagged_attention_reference import jagged_attention_reference
 from gemcore.model import Block, GemModel
-from gemcore.planner import apply as apply_mod
-from gemcore.planner.apply import apply_ac
+from gemcore.parallel import apply as apply_mod
+from gemcore.parallel.apply import apply_ac
 from gemcore.planner.cost import activation_elements
 from gemcore.planner.models import ModelSpec
 
@@ -238,7 +238,7 @@ def backward_calls(block, x, names) -> dict[str, int]:
 def test_selective_keeps_the_cp_all_gather(one_rank_group):
     """cp's K/V carry all-gather is a functional collective, so gemcore's selective policy keeps
     its output: the backward does not gather again (full recompute does, and must)."""
-    from gemcore.planner.context_parallel import gather_rows
+    from gemcore.parallel.context import gather_rows
 
     w = torch.randn(8, 8, requires_grad=True)
     x = torch.randn(5, 8, requires_grad=True)

@@ -112,7 +112,7 @@ def _check_moe(ep_group, parent, expect_backend: str, world_rank: int, label: st
     import torch.distributed as dist
 
     from gemcore import comms
-    from gemcore.planner.expert_parallel import EP_GROUP_ATTR, apply_ep
+    from gemcore.parallel.expert import EP_GROUP_ATTR, apply_ep
 
     ep, r = dist.get_world_size(ep_group), dist.get_rank(ep_group)
     hidden, experts = 6, 2 * ep
@@ -221,9 +221,9 @@ def _smoke_worker(argv: list[str]) -> int:
     import logging
 
     from gemcore import comms
-    from gemcore.planner.smoke import main
+    from gemcore.bench.planner_smoke import main
 
-    log = logging.getLogger("gemcore.planner.expert_parallel")    # says which backend apply_ep chose
+    log = logging.getLogger("gemcore.parallel.expert")    # says which backend apply_ep chose
     log.addHandler(logging.StreamHandler(sys.stdout))
     log.setLevel(logging.INFO)
     comms.init("mpi")
@@ -237,7 +237,7 @@ def _smoke_worker(argv: list[str]) -> int:
 def test_plan_with_experts_through_mpi_matches_single_process(capsys):
     """apply_plan's apply_ep picks the job's MPI communicator (split to the dp_shard group's ranks):
     losses and pre-clip gradient norms of dp_shard=2 x ep=2 match one process."""
-    from gemcore.planner.smoke import main as smoke_main
+    from gemcore.bench.planner_smoke import main as smoke_main
 
     args = ["--experts", "4", "--steps", "3", "--same-batch"]
     assert smoke_main(args) == 0
@@ -292,7 +292,7 @@ def test_bad_arguments_name_themselves():
     from gemcore import comms
     from gemcore.comms.autograd import all_to_all
     from gemcore.comms.single import SingleCommunicator
-    from gemcore.planner.expert_parallel import ExpertParallelMoE, apply_ep
+    from gemcore.parallel.expert import ExpertParallelMoE, apply_ep
 
     comm = SingleCommunicator()
     with pytest.raises(ValueError, match="comm must be"):
@@ -324,7 +324,7 @@ def test_one_rank_moe_and_wrapping(one_rank_group):
 
     from gemcore import comms
     from gemcore.comms.single import SingleCommunicator
-    from gemcore.planner.expert_parallel import EP_GROUP_ATTR, ExpertParallelMoE, apply_ep
+    from gemcore.parallel.expert import EP_GROUP_ATTR, ExpertParallelMoE, apply_ep
 
     xs, ws = _moe_inputs(1, 6, [9], seed=3)
     ref = _make_moe(6, 4)

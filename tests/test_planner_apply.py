@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from gemcore.planner.apply import check_supported
+from gemcore.parallel.apply import check_supported
 from gemcore.planner.plan import Plan
-from gemcore.planner.smoke import main as smoke_main
+from gemcore.bench.planner_smoke import main as smoke_main
 
 STEPS = 3
 
@@ -27,7 +27,7 @@ def _free_port() -> int:
 def _torchrun(nproc: int, degrees: str, *extra: str, report: dict | None = None) -> list[float]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(_free_port()), "-m", "gemcore.planner.smoke", "--degrees", degrees,
+           "--master-port", str(_free_port()), "-m", "gemcore.bench.planner_smoke", "--degrees", degrees,
            "--steps", str(STEPS), "--same-batch", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -103,7 +103,7 @@ def test_plugin_registers_its_names():
 
 
 def test_cuda_run_with_more_local_ranks_than_gpus_is_refused_by_name():
-    from gemcore.plugins.parallel_planned import init_process_group
+    from gemcore.parallel.planned import init_process_group
 
     visible = torch.cuda.device_count()
     env = {"rank": visible, "world_size": visible + 1, "local_rank": visible, "local_world_size": visible + 1}
@@ -116,19 +116,27 @@ def test_the_process_group_follows_the_runs_device_not_the_machine(monkeypatch):
     import torch.distributed as dist
 
     from gemcore.config import Config
-    from gemcore.plugins import parallel_planned
+    from gemcore.parallel import planned
 
     calls = []
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append(backend))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setitem(parallel_planned._RUN_CONFIG, "config", Config())   # run.device = "cpu"
-    assert parallel_planned.run_device() == "cpu"
-    assert parallel_planned.init_process_group({"rank": 0, "world_size": 2, "local_rank": 0,
-                                                "local_world_size": 2}, parallel_planned.run_device())
+    assert planned._device(Config()) == "cpu"            # run.device = "cpu"
+    assert planned.init_process_group({"rank": 0, "world_size": 2, "local_rank": 0,
+                                       "local_world_size": 2}, planned._device(Config()))
     assert calls == ["gloo"]
-    monkeypatch.delitem(parallel_planned._RUN_CONFIG, "config")
-    assert parallel_planned.run_device() == "cuda"        # no run config: the machine's GPU
+    assert planned._device(None) == "cuda"               # no run config: the machine's GPU
+
+
+def test_a_backend_asked_for_a_device_it_does_not_serve_names_both():
+    from types import SimpleNamespace
+
+    from gemcore.parallel.planned import init_process_group
+
+    ce = SimpleNamespace(backend="ce")
+    with pytest.raises(ValueError, match=r"comms.backend = 'ce' serves cuda tensors, but run.device = 'cpu'"):
+        init_process_group({"rank": 0, "world_size": 2, "local_rank": 0, "local_world_size": 2}, "cpu", ce)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
@@ -146,7 +154,7 @@ def test_clip_grad_norm_groups_dtensor_gradients_and_refuses_partial_sums(one_ra
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
-    from gemcore.planner.apply import clip_grad_norm_
+    from gemcore.parallel.apply import clip_grad_norm_
 
     mesh = init_device_mesh("cpu", (1,))
     torch.manual_seed(0)
@@ -172,7 +180,7 @@ def test_clip_grad_norm_of_a_stage_without_gradients_joins_the_pipeline_reductio
     """A pipeline stage whose parameters got no gradient still all-reduces its (zero) squared norm
     over the pp group, on the group's device, and scales nothing; with gradients the total is the
     usual one."""
-    from gemcore.planner.apply import clip_grad_norm_
+    from gemcore.parallel.apply import clip_grad_norm_
 
     idle = torch.nn.Parameter(torch.ones(3))
     total = clip_grad_norm_([idle], 1.0, pp_group=one_rank_group)

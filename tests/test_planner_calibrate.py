@@ -282,7 +282,8 @@ def test_tiny_steps_run_interleaved_on_a_history_of_the_given_length():
 def test_tiny_steps_alternate_the_models_round_by_round(monkeypatch):
     import torch
 
-    from gemcore.planner import apply, calibrate
+    from gemcore.parallel import apply
+    from gemcore.planner import calibrate
 
     stepped = []                                 # parameters clipped, per step: which model stepped
     real_clip = apply.clip_grad_norm_

@@ -9,7 +9,7 @@ import pytest
 import torch
 from gemcore.kernels.jagged_attention_reference import jagged_attention_reference
 
-from gemcore.planner.context_parallel import (
+from gemcore.parallel.context import (
     attend_share,
     make_share,
     offset_attention,

@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from gemcore.planner.apply import check_supported
+from gemcore.parallel.apply import check_supported
 from gemcore.planner.plan import Plan
-from gemcore.planner.smoke import main as smoke_main
+from gemcore.bench.planner_smoke import main as smoke_main
 
 STEPS = 3
 
@@ -50,7 +50,7 @@ def test_experts_beside_cp_match_single_process(capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     expected = out["losses"] + out["grad_norms"]
     assert expected[STEPS - 1] < expected[0] - 0.01  # the run really trains
-    proc = _torchrun(4, ["gemcore.planner.smoke", "--degrees", "dp_shard=2,cp=2,ep=2,ac=full", *extra])
+    proc = _torchrun(4, ["gemcore.bench.planner_smoke", "--degrees", "dp_shard=2,cp=2,ep=2,ac=full", *extra])
     out = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
     assert "cp=2, ep=2" in out["plan"]
     assert out["losses"] + out["grad_norms"] == pytest.approx(expected, rel=1e-5, abs=1e-6)

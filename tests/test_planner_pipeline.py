@@ -16,8 +16,8 @@ from gemcore.kernels.jagged_attention import make_attention
 from gemcore.config import AttentionConfig, ModelConfig
 from gemcore.data.dataset import JaggedBatch
 from gemcore.model import GemModel
-from gemcore.planner.apply import check_supported
-from gemcore.planner.pipeline_parallel import (
+from gemcore.parallel.apply import check_supported
+from gemcore.parallel.pipeline import (
     GemStage,
     StepContext,
     padded_rows,
@@ -25,7 +25,7 @@ from gemcore.planner.pipeline_parallel import (
     stage_blocks,
 )
 from gemcore.planner.plan import Plan
-from gemcore.planner.smoke import main as smoke_main
+from gemcore.bench.planner_smoke import main as smoke_main
 
 STEPS = 3
 
@@ -49,7 +49,7 @@ def _torchrun(nproc: int, module_args: list[str], timeout: float = 150) -> subpr
 
 
 def _smoke(nproc: int, degrees: str, *extra: str) -> list[float]:
-    proc = _torchrun(nproc, ["gemcore.planner.smoke", "--degrees", degrees, "--steps", str(STEPS), *extra])
+    proc = _torchrun(nproc, ["gemcore.bench.planner_smoke", "--degrees", degrees, "--steps", str(STEPS), *extra])
     out = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
     assert f"pp={degrees.split('pp=')[1].split(',')[0]}" in out["plan"]
     return out["losses"] + out["grad_norms"]

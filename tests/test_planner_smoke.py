@@ -1,4 +1,4 @@
-"""``python -m gemcore.planner.smoke --predict --repeats N``: pairs of timed steps and calibration,
+"""``python -m gemcore.bench.planner_smoke --predict --repeats N``: pairs of timed steps and calibration,
 compared by their medians; bad arguments are one-line errors (exit code 2)."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from gemcore.planner.smoke import _medians, main
+from gemcore.bench.planner_smoke import _medians, main
 
 
 def run_smoke(args: list[str]) -> dict:
@@ -32,7 +32,7 @@ def test_two_gloo_ranks_calibrate_the_collectives_and_fsdp_copies():
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-           "-m", "gemcore.planner.smoke", "--predict", "--steps", "2", "--hidden", "16", "--blocks", "1",
+           "-m", "gemcore.bench.planner_smoke", "--predict", "--steps", "2", "--hidden", "16", "--blocks", "1",
            "--max-len", "8"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

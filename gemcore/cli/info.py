@@ -48,6 +48,21 @@ def gpus() -> list[str]:
             for i in range(torch.cuda.device_count())]
 
 
+def training_carriers(manager) -> dict[str, str]:
+    """``{comms.backend: what carries FSDP2/TP/CP/EP/PP traffic under it}`` for every backend offered."""
+    from gemcore.comms.process_group import SERVED_DEVICES, backend_name
+
+    out = {"none": "torch.distributed's own: nccl (cuda), gloo (cpu)",
+           "torch": "torch.distributed's own: nccl (cuda), gloo (cpu)"}
+    for impl in manager.implementations("communication").values():
+        if impl.name in ("torch", "single", "auto"):
+            continue
+        devices = ", ".join(SERVED_DEVICES.get(impl.name, ("cpu", "cuda")))
+        out[impl.name] = f"{backend_name(impl.name)} ({devices})"
+    out["auto"] = "single for one process, else as torch (mpi under mpirun on CPU)"
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     config, manager = load_from_args(args)
     print("versions:")
@@ -67,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
             reason = check() if callable(check) else None
             shown.append(impl.name if reason is None else f"{impl.name} (unusable here: {reason})")
         print(f"  {point:13s} {', '.join(shown) or 'none'}")
+    print("training traffic (comms.backend -> the torch.distributed backend carrying every mesh dimension):")
+    for name, line in training_carriers(manager).items():
+        print(f"  {name:8s} {line}")
     info = describe(config, manager)
     for p in info["plugins"]:
         if p["status"] == "failed":

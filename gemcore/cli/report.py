@@ -58,6 +58,9 @@ def print_summary(console, summary: dict[str, Any], run_dir: Path) -> None:
         ("parameters", f"{summary['parameters']:,}"),
         ("parallelism", summary["parallelism"]),
     ]
+    carriers = summary.get("mesh_carriers") or {}
+    if carriers:
+        rows.append(("collectives carried by", ", ".join(f"{dim}: {name}" for dim, name in carriers.items())))
     for k, v in rows:
         table.add_row(k, v)
     console.print(table)

@@ -131,7 +131,7 @@ def _optimizer_rate(weights: int, device: str) -> float:
     elements, the rank's shard: its state (16 B a weight) streams at the rate of its own size,
     which an activation-sized product can overstate from the caches. The per-tensor launches of a
     real model's many weights are the host terms' (``optimizer_host_s``, ``optimizer_layer_s``)."""
-    from gemcore.planner.apply import clip_grad_norm_
+    from gemcore.parallel.apply import clip_grad_norm_
     from gemcore.planner.cost import OPTIMIZER_BYTES
 
     weight = torch.nn.Parameter(torch.randn(weights, device=device))
@@ -219,7 +219,7 @@ def _tiny_steps_s(block_counts: tuple[int, ...], heads: int, backend: str, devic
     from gemcore.gc_schedule import ScheduledGC
     from gemcore.kernels.jagged_attention import make_attention
     from gemcore.model import GemModel
-    from gemcore.planner.apply import apply_fsdp, clip_grad_norm_
+    from gemcore.parallel.apply import apply_fsdp, clip_grad_norm_
 
     z = torch.zeros(users * events, device=device, dtype=torch.int64)
     starts = torch.arange(users + 1, device=device)

@@ -60,7 +60,7 @@ def search(model: ModelSpec, cluster: Cluster, *, seq_len: int | None = None,
            global_batch: int | None = None, top: int = 5,
            allow: Callable[[Plan], bool] | None = None) -> SearchResult:
     """The ``top`` feasible plans, best first; ``allow`` (degrees only) restricts the layouts,
-    e.g. to those :func:`gemcore.planner.apply.check_supported` accepts."""
+    e.g. to those :func:`gemcore.parallel.apply.check_supported` accepts."""
     S = seq_len or model.seq_len
     B = global_batch or model.batch_per_gpu * cluster.gpus
     feasible: list[Estimate] = []

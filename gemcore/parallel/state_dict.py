@@ -5,14 +5,14 @@ to restore, whatever the plan (FSDP2/HSDP, tp, cp, ep, pp).
 Three things on top of ``torch.distributed.checkpoint``'s full state dict:
 
 * pipeline stages each hold their own parameters: their states are merged on pp rank 0
-  (:func:`~gemcore.planner.pipeline_parallel.pipeline_state_dict`);
+  (:func:`~gemcore.parallel.pipeline.pipeline_state_dict`);
 * tensor parallelism reorders the rows of gate_up/qkv weights: undone on save, redone on load
-  (:func:`~gemcore.planner.apply.tp_canonical_state`);
+  (:func:`~gemcore.parallel.apply.tp_canonical_state`);
 * parameters that differ between ranks (expert-parallel experts), below.
 
 ``torch.distributed.checkpoint``'s full state dict gathers FSDP2 shards and TP DTensors into whole
 tensors, but a plain parameter that each rank holds differently (rank r's experts
-``[r·E/ep, (r+1)·E/ep)``, see :mod:`gemcore.planner.expert_parallel`) comes back from one rank
+``[r·E/ep, (r+1)·E/ep)``, see :mod:`gemcore.parallel.expert`) comes back from one rank
 only. Those parameters carry globally unique names (``...mlp.experts.{global index}...``), so:
 
 * :func:`gather_rank_local_state` (a collective over the default group) adds every rank's such
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gemcore.planner.expert_parallel import EP_GROUP_ATTR
+from gemcore.parallel.expert import EP_GROUP_ATTR
 
 #: module-name parts that wrappers insert and full state dicts leave out
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -98,8 +98,8 @@ def full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple
     empty or partial: only rank 0 writes). A collective: every rank calls it."""
     from torch.distributed.checkpoint import state_dict as dcp
 
-    from gemcore.planner.apply import tp_canonical_state
-    from gemcore.planner.pipeline_parallel import is_pipelined, pipeline_state_dict
+    from gemcore.parallel.apply import tp_canonical_state
+    from gemcore.parallel.pipeline import is_pipelined, pipeline_state_dict
 
     if is_pipelined(model):
         model_state, optim_state = pipeline_state_dict(model, optimizer)
@@ -119,8 +119,8 @@ def load_full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, mod
     Modifies the given dicts (TP row order)."""
     from torch.distributed.checkpoint import state_dict as dcp
 
-    from gemcore.planner.apply import tp_canonical_state
-    from gemcore.planner.pipeline_parallel import is_pipelined
+    from gemcore.parallel.apply import tp_canonical_state
+    from gemcore.parallel.pipeline import is_pipelined
 
     tp_canonical_state(model, model_state, optim_state, to_model=True)
     if is_pipelined(model) or has_rank_local(model):   # stages / experts: this rank's names only

@@ -36,7 +36,7 @@ from torch import nn
 
 from gemcore.planner.plan import MESH_ORDER, MeshAxis, Plan
 
-log = logging.getLogger("gemcore.planner.apply")
+log = logging.getLogger("gemcore.parallel.apply")
 
 
 def check_supported(plan: Plan, num_blocks: int | None = None) -> list[str]:
@@ -239,7 +239,7 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
     """
     import torch.distributed as dist
 
-    from gemcore.planner.expert_parallel import EP_GROUP_ATTR
+    from gemcore.parallel.expert import EP_GROUP_ATTR
 
     params = [p for p in parameters if p.grad is not None]
     if not params and pp_group is None:
@@ -362,10 +362,10 @@ def _apply_blocks(model: nn.Module, plan: Plan, device: torch.device, mesh, atte
 
 def _apply_ep(model: nn.Module, plan: Plan, mesh, device_type: str):
     """(model, parameters to keep out of the blocks' FSDP2, expert FSDP mesh or None) after
-    :func:`~gemcore.planner.expert_parallel.apply_ep` when ``plan.ep > 1``."""
+    :func:`~gemcore.parallel.expert.apply_ep` when ``plan.ep > 1``."""
     if plan.ep == 1:
         return model, None, None
-    from gemcore.planner.expert_parallel import apply_ep, expert_parameters
+    from gemcore.parallel.expert import apply_ep, expert_parameters
 
     if plan.ep == plan.fsdp_size and plan.dp_replicate == 1:   # every expert on one rank
         group = mesh[MeshAxis.DP_SHARD.value].get_group() if plan.cp == 1 else expert_meshes(plan, device_type)[0]
@@ -402,10 +402,10 @@ def expert_meshes(plan: Plan, device_type: str):
 
 
 def _apply_cp(model: nn.Module, plan: Plan, mesh, attention: dict | None) -> nn.Module:
-    """:func:`~gemcore.planner.context_parallel.apply_cp` over the cp mesh dimension when cp > 1."""
+    """:func:`~gemcore.parallel.context.apply_cp` over the cp mesh dimension when cp > 1."""
     if plan.cp == 1:
         return model
-    from gemcore.planner.context_parallel import apply_cp
+    from gemcore.parallel.context import apply_cp
 
     model = apply_cp(model, mesh[MeshAxis.CP.value].get_group(), **(attention or {}))
     log.info("cp=%d: blocks run on cost-balanced row shares, K/V carries all-gathered", plan.cp)
@@ -422,7 +422,7 @@ def shard_experts(model: nn.Module, expert_mesh, data_parallel_size: int, reshar
     new parameters: the ep mark is set on them again."""
     from torch.distributed.fsdp import fully_shard
 
-    from gemcore.planner.expert_parallel import EP_GROUP_ATTR, ExpertParallelMoE
+    from gemcore.parallel.expert import EP_GROUP_ATTR, ExpertParallelMoE
 
     for moe in [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]:
         mark = getattr(next(moe.experts.parameters()), EP_GROUP_ATTR)
@@ -440,7 +440,7 @@ def _apply_pp(model: nn.Module, plan: Plan, device: torch.device, mesh, attentio
     FSDP2 per stage over dp_shard (x cp) (pipeline_parallel.py); the tensors passed between stages
     are the blocks' replicated (plain) outputs, with cp this rank's share of each micro-batch's rows
     (a stage's cp peers run the same schedule, so their collectives pair up)."""
-    from gemcore.planner.pipeline_parallel import apply_pipeline
+    from gemcore.parallel.pipeline import apply_pipeline
 
     # as without pp; each stage's MoE layers exchange over their ep group
     model, ignored = _apply_blocks(model, plan, device, mesh, attention)

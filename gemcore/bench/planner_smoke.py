@@ -1,11 +1,11 @@
 """Train a small GemModel a few steps under a plan and print the losses and the global gradient norms
 before clipping (one JSON line, rank 0).
 
-    torchrun --nproc-per-node 4 -m gemcore.planner.smoke --degrees dp_shard=2,tp=2 --steps 3
-    torchrun --nproc-per-node 4 -m gemcore.planner.smoke --degrees dp_shard=2,pp=2,mbs=2 --blocks 4
-    python -m gemcore.planner.smoke --steps 3          # one process: the reference losses
-    python -m gemcore.planner.smoke --device cuda --predict --hidden 512 --blocks 4 --max-len 512
-    python -m gemcore.planner.smoke --device cuda --predict --repeats 5 ...   # medians of 5 pairs
+    torchrun --nproc-per-node 4 -m gemcore.bench.planner_smoke --degrees dp_shard=2,tp=2 --steps 3
+    torchrun --nproc-per-node 4 -m gemcore.bench.planner_smoke --degrees dp_shard=2,pp=2,mbs=2 --blocks 4
+    python -m gemcore.bench.planner_smoke --steps 3          # one process: the reference losses
+    python -m gemcore.bench.planner_smoke --device cuda --predict --hidden 512 --blocks 4 --max-len 512
+    python -m gemcore.bench.planner_smoke --device cuda --predict --repeats 5 ...   # medians of 5 pairs
 
 Every run draws the same model initialisation and the same global batches (users
 ``[s*B, (s+1)*B)`` at step s, split over the data-parallel ranks as the ``random`` sampler does),
@@ -24,7 +24,7 @@ import torch
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gemcore.planner.smoke")
+    ap = argparse.ArgumentParser(prog="python -m gemcore.bench.planner_smoke")
     ap.add_argument("--degrees", default="", help="plan degrees (default: every rank in dp_shard)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8, help="global batch, users")
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     from gemcore.kernels.jagged_attention import make_attention
     from gemcore.model import GemModel
     from gemcore.planner.plan import Plan
-    from gemcore.plugins.parallel_planned import PlannedParallelism, launcher_env
+    from gemcore.parallel.planned import PlannedParallelism, launch_env
     from gemcore.precision import flush_denormals
 
     if args.repeats < 1:
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--repeats needs --predict (it repeats the timed steps and the calibration in turn)")
     if args.gc_every is not None and args.gc_every < 0:
         ap.error(f"--gc-every must be >= 0 (0: automatic collection), got {args.gc_every}")
-    env = launcher_env()
+    env = launch_env()
     if args.device == "cuda" and (env["world_size"] > 1 or not torch.cuda.is_available()):
         ap.error("--device cuda runs one process on a machine with a CUDA GPU")
     device = torch.device(args.device)

@@ -1,7 +1,7 @@
 """``parallelism.impl = "auto"``: plan for the GPUs a run was launched on, among applicable plans."""
 from __future__ import annotations
 
-from gemcore.planner.apply import check_supported
+from gemcore.parallel.apply import check_supported
 from gemcore.planner.cluster import GPUS, make_cluster
 from gemcore.planner.models import ModelSpec
 from gemcore.planner.plan import Plan

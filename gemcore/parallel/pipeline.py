@@ -37,7 +37,7 @@ micro-batch with blocking send/recv (no schedule), and broadcasts the logits ove
 
 **Context parallelism** (cp > 1: ``apply_cp`` done on the whole model before the split). Every
 rank of a stage's cp group holds the same micro-batches; each cuts every micro-batch's merged rows
-as :class:`~gemcore.planner.context_parallel.ContextParallelGemModel` does (``share_batch``: the
+as :class:`~gemcore.parallel.context.ContextParallelGemModel` does (``share_batch``: the
 same cuts on every stage, computed from the batch) and ``h`` carries only this rank's share: its
 rows, then the item embeddings of its candidates, then zeros up to R = the widest share's rows +
 candidates over the cp ranks (rounded as above). The blocks get the share in place of the
@@ -201,7 +201,7 @@ class GemStage(nn.Module):
             return torch.cat([real.to(self.dtype), rest.to(self.dtype)])
         logits = GemModel.score(self, real[mb.cand_pos[lo:hi] - start], rest[:hi - lo])
         if mb.cp is not None:   # every candidate's logit on every cp rank
-            from gemcore.planner.context_parallel import gather_logits
+            from gemcore.parallel.context import gather_logits
 
             logits = gather_logits(logits, mb.cp)
         return F.pad(logits.to(logit_dtype(self.dtype)), (0, ctx.cands - mb.cands))
@@ -291,7 +291,7 @@ class PipelinedGemModel(nn.Module):
             raise ValueError("pipeline: a step needs at least one user")
         micro = split_micro_batches(batch, mbs)
         if self.cp is not None:   # each micro-batch's rows cut over the cp group, as ContextParallelGemModel does
-            from gemcore.planner.context_parallel import share_batch
+            from gemcore.parallel.context import share_batch
 
             for m in micro:
                 m.cp = share_batch(m.seq_offsets, m.num_targets, m.cand_pos, max_seqlen=m.batch.max_len, **self.cp)
@@ -382,7 +382,7 @@ def apply_pipeline(model: GemModel, *, pp_mesh, fsdp_mesh=None, schedule: str = 
             for block in stage.blocks.values():
                 fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=kept)
             fully_shard(stage, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=kept)
-    from gemcore.planner.context_parallel import ContextParallelGemModel
+    from gemcore.parallel.context import ContextParallelGemModel
 
     cp = None
     if isinstance(model, ContextParallelGemModel):

@@ -38,7 +38,7 @@ from torch import nn
 from gemcore.comms import Communicator, current, group_communicator
 from gemcore.comms.autograd import all_to_all
 
-log = logging.getLogger("gemcore.planner.expert_parallel")
+log = logging.getLogger("gemcore.parallel.expert")
 
 #: attribute set on expert parameters: the group their experts are spread over (the ep
 #: ProcessGroup when there is one, else the Communicator); gradient clipping sums norms over it
