@@ -1,4 +1,4 @@
-"""One command for the GPU machine: every ce check and the SM-interference tables, compact.
+"""One command for a GPU machine: every ce check and the SM-interference tables, compact.
 
     python -m gemcore.comms.gpu_check            # about 2 minutes on one H200
     python -m gemcore.comms.gpu_check --quick    # the two overlap tables only (about 1 minute)

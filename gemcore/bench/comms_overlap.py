@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 TRANSFERS = ("none", "host", "peer", "device", "kernel")
-#: the issue's goal for copy-engine transfers: at most this GEMM slowdown
+#: the goal for copy-engine transfers: at most this GEMM slowdown
 GOAL_SLOWDOWN_PCT = 1.0
 
 
