@@ -1,0 +1,92 @@
+"""Host time per call of gemcore's jagged attention and of PyTorch's ``varlen_attn``: the figure
+"host time per call" of docs/benchmarks.md and the known gap of docs/kernels.md.
+
+By default on a tiny input (one sequence of 16 tokens, H=4, D=128, bf16): the GPU work is
+microseconds, so back-to-back calls run at the host's pace. ``--batch B --max-len L`` uses B
+sequences of random length in [L/2, L] instead (a small model's attention: the Gluon path where it
+applies); ``--profile`` adds cProfile's top functions of 100 forward+backward calls. Prints which
+kernels run, then microseconds per forward and per forward+backward call. Needs a CUDA GPU:
+
+    python tools/attention_host_time.py --batch 16 --max-len 512
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+from gemcore.kernels import jagged_attention
+
+
+def per_call_us(fn, n=300):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--max-len", type=int, default=16)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args(argv)
+    if args.batch < 1:
+        ap.error(f"--batch must be >= 1, got {args.batch}")
+    if args.max_len < 1:
+        ap.error(f"--max-len must be >= 1, got {args.max_len}")
+    if not torch.cuda.is_available():
+        raise SystemExit("attention_host_time: needs a CUDA GPU")
+    from torch.nn.attention.varlen import varlen_attn
+
+    gen = torch.Generator().manual_seed(0)
+    if args.batch == 1:
+        lens = torch.tensor([args.max_len])
+    else:
+        lens = torch.randint(args.max_len // 2, args.max_len + 1, (args.batch,), generator=gen)
+    off = torch.zeros(args.batch + 1, dtype=torch.int64)
+    off[1:] = lens.cumsum(0)
+    off = off.cuda()
+    T, L = int(lens.sum()), int(lens.max())
+    q, k, v = (torch.randn(T, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    off32 = off.to(torch.int32)
+    grad = torch.randn(T, 4, 128, device="cuda", dtype=torch.bfloat16)
+    from gemcore.kernels.jagged_attention_triton import backward_kernel, forward_kernel
+    print(f"T={T} B={args.batch} max_len={L}: forward {forward_kernel(q, k, v, off)}, "
+          f"backward {backward_kernel(q, k, v, off)}", flush=True)
+    calls = {
+        "gemcore softmax": lambda: jagged_attention(q, k, v, off, causal=True, max_seqlen=L,
+                                                    backend="triton", validate=False),
+        "gemcore silu": lambda: jagged_attention(q, k, v, off, causal=True, max_seqlen=L,
+                                                 activation="silu", backend="triton", validate=False),
+        "varlen_attn": lambda: varlen_attn(q, k, v, off32, off32, L, L, window_size=(-1, 0)),
+    }
+    for name, f in calls.items():
+        with torch.no_grad():
+            fwd = per_call_us(f)
+        fb = per_call_us(lambda f=f: torch.autograd.grad(f(), (q, k, v), grad))
+        print(f"{name:16s} host per call: fwd {fwd:6.1f} us, fwd+bwd {fb:6.1f} us", flush=True)
+    if args.profile:
+        f = calls["gemcore softmax"]
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(100):
+            torch.autograd.grad(f(), (q, k, v), grad)
+        prof.disable()
+        torch.cuda.synchronize()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(22)
+        print("\n".join(line for line in s.getvalue().splitlines() if line.strip())[:6000])
+
+
+if __name__ == "__main__":
+    main()
