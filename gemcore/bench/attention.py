@@ -55,7 +55,8 @@ def lengths_for(kind: str, B: int, max_len: int, gen: torch.Generator) -> torch.
 
 
 def workload_lengths(workload: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(q lengths, kv lengths or None for self-attention), one generator seeded 0: dense95 then heavytail; cross from a fresh one."""
+    """(q lengths, kv lengths or None for self-attention), one generator seeded 0: dense95 then
+    heavytail; cross from a fresh one."""
     gen = torch.Generator().manual_seed(0)
     dense = lengths_for("dense95", 256, 2048, gen)
     if workload == "dense95":
