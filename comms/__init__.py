@@ -1,4 +1,4 @@
-"""gemcore collective layer (issue 5): one Communicator API over several backends.
+"""gemcore collective layer: one Communicator API over several backends.
 
 ```python
 from gemcore import comms

@@ -1,7 +1,7 @@
 """Bitwise-reproducible runs: PyTorch's deterministic algorithms for the length of a run.
 
 On a GPU, identical bf16 ``gem train`` runs (jfa, hidden 512 x 4 blocks) drifted apart after 26
-steps (H200, session 24). Two backward passes of the same batch from the same weights differed in
+steps (H200). Two backward passes of the same batch from the same weights differed in
 one batch of 40, in the gradients of the action and time-gap embeddings alone: tables of 5 and 32
 rows that every token reads, whose CUDA backward sums the tokens' gradients per row in an order
 that varies from call to call. ``torch.use_deterministic_algorithms(True)`` swaps in ordered

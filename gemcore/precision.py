@@ -54,7 +54,7 @@ def flush_denormals(enabled: bool = True):
 
     Training on a CPU drifts into subnormal values (softmax and SiLU tails, squared small
     gradients), whose arithmetic takes a slow path: a hidden-512 GemModel's fp32 step ran 30 %
-    slower for it (session 21). Values below 1.18e-38 become 0, which no float32 training result
+    slower for it. Values below 1.18e-38 become 0, which no float32 training result
     can tell apart. No effect on CUDA kernels; ``enabled=False`` or a CPU without the mode: nothing
     changes."""
     switch = enabled and not denormals_flushed() and torch.set_flush_denormal(True)

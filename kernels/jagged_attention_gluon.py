@@ -39,7 +39,7 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 BLOCK_M = 128                    #: query rows per CTA: two consumer warpgroups of 64
 #: activation kind -> (key rows per tile, K/V ring slots), from the H200 sweep
-#: (scripts/gluon_fwd_sweep.py; docs/benchmarks.md): softmax 128 x 3 (404 against 379 TFLOP/s for
+#: of key tile and ring depth: softmax 128 x 3 (404 against 379 TFLOP/s for
 #: 64 x 4 on dense95), the pointwise activations 64 x 4 (412 against 403 for 128 x 3)
 TILES = {"softmax": (128, 3), "pointwise": (64, 4)}
 _BLOCK_M = gl.constexpr(BLOCK_M)
@@ -49,7 +49,7 @@ _CONSUMER_REGS, _PRODUCER_REGS = gl.constexpr(240), gl.constexpr(24)
 MAXNREG = 168
 #: the Triton forward is kept for short histories: mean length below these, per activation kind.
 #: Measured on the H200 at mean 494 (heavytail) and 1945 (dense95): both kinds gain at both (silu
-#: at 494 since session 19's first-warpgroup trim: +3 %; it lost 8 % before). Below 494 not measured.
+#: at 494: +3 %). Below 494 not measured.
 MIN_MEAN_LEN = {"softmax": 256, "pointwise": 256}
 HEAD_DIMS = (64, 128)
 _DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}

@@ -50,7 +50,7 @@ CONFIGS: dict[tuple[str, int], TileConfig] = {
 #: (kernel, head-dim bucket) -> TileConfig for the pointwise activations (silu, gelu, ...) where
 #: their best tile differs from softmax's (no running max/sum, other registers); else CONFIGS
 #: dK/dV D=128: 3 stages instead of 2, from `gem bench attention --tune --activation silu` on the H200
-#: (2026-12-03, session 15): +8.5 % forward+backward on dense95 and +8.7 % on heavytail in the same
+#: (2026-12-03): +8.5 % forward+backward on dense95 and +8.7 % on heavytail in the same
 #: process; softmax's own tune gave +1.5 % for the same change, within the drift, so softmax keeps 2
 POINTWISE_CONFIGS: dict[tuple[str, int], TileConfig] = {
     ("dkdv", 128): TileConfig(64, 128, 8, 3),

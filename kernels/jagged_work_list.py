@@ -3,8 +3,8 @@
 A persistent kernel launches one CTA per SM and deals the work items out. Dealing every
 (tile level, sequence) pair of a padded grid in a fixed stride leaves two costs on jagged batches:
 most pairs are empty (a level past a short sequence's end) yet each is read and skipped, and the
-non-empty ones land unevenly on the CTAs. Modelled with the item costs of ANCHORS.md's heavytail
-workload, the busiest CTA of that stride gets 1.44× the mean work; the list below, dealt in a
+non-empty ones land unevenly on the CTAs. Modelled with the item costs of the heavytail
+benchmark workload (docs/benchmarks.md, "Workloads"), the busiest CTA of that stride gets 1.44× the mean work; the list below, dealt in a
 snake order (CTA p takes item p of round 0, item 2P-1-p of round 1, ...), gets 1.02×. Measured
 on an H200 against the strided schedule (same results bit for bit): heavytail forward +23–31 %,
 backward +19–22 %; dense95 backward +0.5 %, forward −0.7 to −2.5 % (docs/kernels.md).

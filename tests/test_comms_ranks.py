@@ -62,7 +62,7 @@ def _passed(proc: subprocess.CompletedProcess, n: int, backends: list[str]) -> N
 @pytest.mark.parametrize("n", [1, 3, 4])
 def test_suite_under_mpirun(n):
     """Both backends, every op, dtypes, roots, uneven splits, sub-communicators, at 1, an odd number
-    and 4 ranks (the issue's ``mpirun -n 4``). At 3 ranks two simulated nodes of unequal size (2 + 1),
+    and 4 ranks. At 3 ranks two simulated nodes of unequal size (2 + 1),
     at 4 ranks two nodes of 2 and 64 MiB tensors (local_rank/local_size per node checked)."""
     extra = {3: ["--nodes", "2"], 4: ["--large", "--nodes", "2"]}.get(n, [])
     args = ["--backend", "mpi,torch", "--dtypes", DTYPES, *extra]

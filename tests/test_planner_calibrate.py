@@ -94,7 +94,7 @@ def test_gpu_done_matches_a_phase_by_phase_simulation():
 
 
 def test_a_step_host_bound_in_its_forward_and_gpu_bound_in_its_backward_costs_both():
-    """The middle model of the one-GPU timeline (benchmarks.md, session 20): the forward's host
+    """The middle model of the one-GPU timeline (one H200): the forward's host
     time plus the backward's GPU time plus the optimizer's, where max(host, GPU) would say less."""
     from gemcore.planner.cost import gpu_done_s
 

@@ -310,7 +310,7 @@ def test_a_rings_latency_grows_with_its_steps_and_small_messages_take_the_low_la
     assert ring_time(one_node, Plan(dp_shard=8), MeshAxis.DP_SHARD, 1024) == pytest.approx(
         (3.6 + 7 * 0.47) * 1e-6 + 3 * bytes_s)
     # over 1,024 ranks on 128 nodes: 896 NVLink and 127 network steps, ~0.77 ms where one flat
-    # per-collective latency (the model before session 25) said 40 µs
+    # per-collective latency (a flat latency per collective) said 40 µs
     small = ring_time(many, Plan(dp_shard=1024), MeshAxis.DP_SHARD, 1024)
     assert small == pytest.approx((3.6 + 896 * 0.47 + 127 * 2.7) * 1e-6, rel=1e-3)
     # an all-reduce steps twice as often
@@ -349,7 +349,7 @@ def test_a_small_model_on_many_nodes_shards_within_a_few_nodes_and_replicates_ac
     """GEM-style topology awareness: gem-small's FSDP collectives are small, so over 1,024 ranks
     the ring's latency (1,023 steps, ~0.8 ms each collective) outweighs the memory that sharding
     wider saves. The search replicates across groups of nodes (HSDP); with one flat latency per
-    collective (before session 25) it sharded over all 1,024."""
+    collective it sharded over all 1,024."""
     model, cluster = PRESETS["gem-small"], make_cluster("h200", 1024)
     best = search(model, cluster, top=1).plans[0]
     assert best.plan.dp_replicate > 1 and best.plan.dp_shard < 1024

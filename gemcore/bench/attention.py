@@ -1,6 +1,6 @@
 """Jagged attention: gemcore's useful TFLOP/s (fwd, fwd+bwd) and peak memory beside stock PyTorch.
 
-Workloads and the FLOP count follow ANCHORS.md: H=4, D=128, bf16; useful forward FLOPs =
+Workloads (docs/benchmarks.md, "Workloads") and the FLOP count: H=4, D=128, bf16; useful forward FLOPs =
 4·Σ(Lq·Lk)·H·D (halved for causal self-attention), forward+backward = 3.5 × forward. The anchors
 (padded SDPA, ``torch.nn.attention.varlen.varlen_attn``, FlexAttention with a document mask,
 nested-tensor SDPA) are measured in the same run, on the same inputs. gemcore is timed the way
@@ -43,7 +43,7 @@ class Row:
 
 
 def lengths_for(kind: str, B: int, max_len: int, gen: torch.Generator) -> torch.Tensor:
-    """ANCHORS.md's length laws."""
+    """(B,) int64 lengths of a workload's law (docs/benchmarks.md, "Workloads")."""
     if kind == "dense95":
         return torch.randint(int(0.9 * max_len), max_len, (B,), generator=gen)
     if kind == "heavytail":
@@ -55,7 +55,8 @@ def lengths_for(kind: str, B: int, max_len: int, gen: torch.Generator) -> torch.
 
 
 def workload_lengths(workload: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(q lengths, kv lengths or None for self-attention), seeded as ANCHORS.md says."""
+    """(q lengths, kv lengths or None for self-attention), one generator seeded 0: dense95 then
+    heavytail; cross from a fresh one."""
     gen = torch.Generator().manual_seed(0)
     dense = lengths_for("dense95", 256, 2048, gen)
     if workload == "dense95":

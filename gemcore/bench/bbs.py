@@ -1,7 +1,7 @@
 """Load balance of jagged batches: random sharding vs GEM's rule vs gemcore's ``bbs``, and BBS planning time.
 
 For each rank count W, a dataset of ``W * per_rank * steps`` samples with lengths from the
-ANCHORS.md workload law is drawn (one torch generator seeded once); each step's global batch of
+workload's law (docs/benchmarks.md, "Workloads") is drawn (one torch generator seeded once); each step's global batch of
 ``W * per_rank`` samples is assigned to ranks three ways, and the per-rank cost (the model's FLOP
 count per sample by default) gives max/mean, averaged over the steps:
 
@@ -12,8 +12,8 @@ count per sample by default) gives max/mean, averaged over the steps:
 
 ``plan_ms`` is the wall time one rank spends planning a step (the global assignment plus its own
 sub-batches), single-threaded NumPy on the host: the median over steps of the fastest of 3 runs; ``epoch_setup_ms`` is the once-per-epoch
-permutation (reported apart: divide by ``steps_per_epoch`` for its share of a step). The anchor (ANCHORS.md, "Load balance"):
-GEM's heaviest rank sat ~15% above the mean before BBS; the goal is bbs <= 1.02 at 64 ranks on
+permutation (reported apart: divide by ``steps_per_epoch`` for its share of a step). The anchor (Meta's engineering blog on
+GEM's training stack, 2026-08-03): GEM's heaviest rank sat ~15% above the mean before BBS; the goal is bbs <= 1.02 at 64 ranks on
 heavytail with 1024 samples per rank, planning in < 5 ms per step.
 """
 from __future__ import annotations
@@ -29,14 +29,14 @@ import torch
 
 from gemcore.data.bbs import NAMED_COSTS, BaseBatchShuffler, gem_rule_loads, random_loads
 
-#: workload -> default longest length (ANCHORS.md)
+#: workload -> default longest length (docs/benchmarks.md, "Workloads")
 WORKLOAD_MAX_LEN = {"heavytail": 4096, "dense95": 2048, "uniform": 2048}
 REPEATS = 3  # plan_ms: median over steps of the fastest of REPEATS timings (less noise from other load)
 GOAL = {"ranks": 64, "workload": "heavytail", "max_over_mean": 1.02, "plan_ms": 5.0}
 
 
 def lengths_for(kind: str, n: int, max_len: int, gen: torch.Generator) -> torch.Tensor:
-    """(n,) int64 lengths following the ANCHORS.md workload law."""
+    """(n,) int64 lengths following the workload's law (docs/benchmarks.md, "Workloads")."""
     if kind == "dense95":
         return torch.randint(int(0.9 * max_len), max_len, (n,), generator=gen)
     if kind == "heavytail":

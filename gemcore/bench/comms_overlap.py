@@ -14,7 +14,7 @@ on one stream while another stream keeps moving ``--size`` bytes at a time:
 The copy-engine claim of the ``ce`` backend rests on the first two rows: between GPUs its pulls
 are peer copies. On one GPU, its peer pulls between processes are same-device copies (``device``
 row), so a one-GPU ``mpirun`` overlap run shows time-slicing and SM sharing, not copy-engine
-behaviour (ANCHORS.md, "Copy engines and SM interference"). ``gem bench comms --overlap-gemm``
+behaviour (docs/comms.md). ``gem bench comms --overlap-gemm``
 uses :class:`GemmLoop` and :func:`coverage` from here for the multi-rank form.
 
 Reported per transfer: GEMM TFLOP/s (analytic 2·n³ per GEMM over the loop's CUDA-event time),
@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 TRANSFERS = ("none", "host", "peer", "device", "kernel")
-#: the issue's goal for copy-engine transfers: at most this GEMM slowdown
+#: the goal for copy-engine transfers: at most this GEMM slowdown
 GOAL_SLOWDOWN_PCT = 1.0
 
 

@@ -2,7 +2,7 @@
 
 Cast (8192 x 8192 bf16 by default): bytes moved = 2 read + 1 + 1/32 written per element for one
 orientation (2 + 2 + 2/32 for both in one pass), beside the device-to-device copy (the limit for any
-cast) and a plain-PyTorch cast under ``torch.compile`` (ANCHORS.md). GEMM (8192^3 and training
+cast) and a plain-PyTorch cast under ``torch.compile``. GEMM (8192^3 and training
 shapes): useful FLOPs 2·M·N·K, beside cuBLAS bf16 ``a @ b`` and ``torch._scaled_mm`` FP8 with
 tensor-wise scales. MXLinear: forward + backward of (tokens, K -> N) beside bf16 ``nn.Linear``.
 Each row's exactness is checked on the benchmark's inputs (casts bit for bit against the

@@ -236,7 +236,7 @@ def _medians(pairs: list[dict]) -> dict:
     (the comparison), the median of the pairs' own ratios, and each pair's figures.
 
     A host-bound step on a shared machine is known only to about ±15 % from one second to the
-    next (session 24, one H200 process: identical 20-step passes measured 12.4-17.2 ms), and its
+    next (one H200 process: identical 20-step passes measured 12.4-17.2 ms), and its
     calibration alike; a pair's ratio carries both, the medians of repeats neither's outliers."""
     import statistics
 

@@ -1,5 +1,5 @@
 """CUDA-event timing shared by the benchmarks: median of per-call event timings after warm-up
-(the method ANCHORS.md's figures were measured with)."""
+(the method of the anchor figures in docs/benchmarks.md)."""
 from __future__ import annotations
 
 import statistics

@@ -23,7 +23,7 @@ from gemcore.metrics import peak_flops
 from gemcore.model import GemModel
 from gemcore.plugin_manager import create_plugin_manager
 
-WORKLOADS = {"heavytail": 4096, "dense95": 2048}  # max history length (ANCHORS.md)
+WORKLOADS = {"heavytail": 4096, "dense95": 2048}  # max history length (docs/benchmarks.md, Workloads)
 CONFIGS = ("padded", "bf16", "mxfp8", "bf16+compile", "mxfp8+compile")
 
 

@@ -19,7 +19,8 @@ CLICK_PROB = {"primary": 0.75, "secondary": 0.45, "other": 0.05}
 
 
 def history_lengths(kind: str, n: int, max_len: int, rng: np.random.Generator) -> np.ndarray:
-    """(n,) int64 history lengths following the ANCHORS.md workload laws, scaled to ``max_len``."""
+    """(n,) int64 history lengths following a benchmark workload's law (docs/benchmarks.md, "Workloads"), scaled to
+    ``max_len``."""
     if kind == "dense95":
         return rng.integers(max(int(0.9 * max_len), 1), max_len + 1, n)
     if kind == "heavytail":

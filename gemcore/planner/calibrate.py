@@ -29,7 +29,7 @@ process group runs the same measurement at once, as the run's ranks compute at o
 cores' caches and memory bandwidth, and the cores with any other process); on CUDA the median.
 The rates (GEMM, attention, elementwise) are timed on CUDA in device time alone
 (:func:`_gpu_timed`): timed by the host clock, a small model's shapes measure the launches, which
-the host terms already count (session 20: a hidden-512 model's GPU was busy 2.7 ms of a 17 ms
+the host terms already count (on an H200 a hidden-512 model's GPU was busy 2.7 ms of a 17 ms
 step while the host-clock rates predicted 15 ms of compute).
 
 The measured square-GEMM rate becomes the peak (MFU is relative to it); the other rates become
@@ -203,14 +203,14 @@ def _tiny_steps_s(block_counts: tuple[int, ...], heads: int, backend: str, devic
     The models' steps are interleaved, one call of each per round (:data:`TINY_ROUNDS` rounds or
     more), so a change in the machine's speed while they run (another tenant, a clock) touches every
     model alike: the caller's per-layer figure is their difference, which a slow spell during one
-    model's calls alone moves. On the H200 (session 23, six calibrations in one process) the
+    model's calls alone moves. On an H200 (six calibrations in one process) the
     per-layer figure's standard deviation was 0.42 ms with the models one after the other and 0.23
     ms interleaved, the per-step figure's 0.94 and 0.32 ms.
 
     On CUDA the seconds are the host's issuing time (per phase the median over the calls), read at
     the phase borders with no wait for the GPU, as the run's host overhead is (the smoke's
     ``host_issued_s_measured``); the synced wall time per call would also hold any GPU tail, which
-    the calibrated GPU rates already cost (on the H200 the two differed by 0-5 %, session 22). On a
+    the calibrated GPU rates already cost (on an H200 the two differed by 0-5 %). On a
     CPU (synchronous) it is the wall time (per phase the mean). Wall ÷ issued is the rounds'."""
     import torch.distributed as dist
 
@@ -277,7 +277,7 @@ def _phase_summary(calls: list[tuple[float, float, float]], robust: bool) -> tup
     """(host seconds issued per call, forward's share, after-backward's share) from each call's
     (forward, backward, after) seconds. The first call is left out: it is :func:`_timed`'s warm-up,
     which compiles kernels and allocates (it had made the forward's share anywhere from 0.18 to
-    0.57 on the H200, session 21). ``robust`` (CUDA, where :func:`_timed` takes the median): each
+    0.57 on an H200). ``robust`` (CUDA, where :func:`_timed` takes the median): each
     phase's median; else (a CPU's mean over the window) their means."""
     timed = calls[1:] or calls
     columns = list(zip(*timed))
@@ -292,7 +292,7 @@ def _tiny_shape(spec, device: str, lengths: list[int] | None) -> dict[str, int]:
     """The tiny models' heads, head_dim and history events (:func:`_tiny_steps_s`). On a CPU: the
     spec's heads of width 2 on one event (all of a CPU step is host work; the rates cost the
     rest). On CUDA: one head of the run's head dim on one history of the run's mean length (at
-    most 1024 events), so each layer's attention takes the kernels the run's takes (session 21: a
+    most 1024 events), so each layer's attention takes the kernels the run's takes (on an H200 a
     head-dim-128 layer on 300 events, the Gluon path, issued 1.9 ms of host work against the
     width-8 one-event layer's 1.3 ms, the Triton path) while the GPU work stays far below it."""
     if device != "cuda":
@@ -317,7 +317,7 @@ def _host_overheads(backend: str, device: str, dtype: torch.dtype, shape: dict[s
     after_slope = min(layer_s, max(0.0, (three * after3 - one * after1) / 2))
     # the forward's share of the three-block step's host time before the backward ends: a ratio of
     # two whole phases, steadier than the ratio of per-layer slopes (a difference of noisy figures,
-    # it had read 0.25-0.62 on identical H200 runs in session 21)
+    # it had read 0.25-0.62 on identical H200 runs)
     share = min(1.0, max(0.0, fwd3 / (1.0 - after3))) if after3 < 1.0 else 0.5
     # (each layer includes one attention call on one sequence: the caller subtracts its per-sequence part)
     return {"layer_s": layer_s, "step_s": step_s, "forward_host_share": share,
@@ -334,7 +334,7 @@ def _sharded_overheads(backend: str, device: str, dtype: torch.dtype, shape: dic
     part (FSDP2's hooks, copy-in/copy-out, stream waits) and the rest per step (as in
     :func:`_host_overheads`: with one- and two-block models the split swung 0.3-4.3 ms per layer
     and 2.4-7.2 ms per step over four calibrations on the 2-core CPU, with one and three
-    4.4-5.3 and 5.1-7.4, session 22). ``layer_s`` and
+    4.4-5.3 and 5.1-7.4). ``layer_s`` and
     ``step_s`` are the unwrapped figures; the 2 all-gathers + 1 reduce-scatter per layer and the
     root's are costed by the planner's collective terms (``latency_s`` each), so they are taken
     out here."""
@@ -357,8 +357,8 @@ def _collectives(layer_bytes: float, device: str) -> dict[str, float]:
     rate of FSDP2's copies.
 
     Apart because they differ: gloo on the 2-core CPU took 1.6-2.3x as long for a block's
-    reduce-scatter as for its all-gather, longer than an all-reduce of the same buffer (session 25;
-    in the run a block's reduce-scatter took 3.6-4.2 ms once both ranks were in it, where a timed
+    reduce-scatter as for its all-gather, longer than an all-reduce of the same buffer (in
+    the run a block's reduce-scatter took 3.6-4.2 ms once both ranks were in it, where a timed
     pair split evenly had given 2.8). The fresh output costs its page faults on a CPU, as the
     run's do."""
     import torch.distributed as dist
@@ -404,14 +404,14 @@ def _float32_numel(nbytes: float, world: int) -> int:
 def _bytes_seconds(small_s: float, big_s: float) -> float:
     """The bytes' share of a big collective call: its time less the small call's (the latency).
     Where a layer is so small that its bytes drown in the latency's noise, at least 1 % of the call
-    (a floor of 1e-9 s had read ``reduce_scatter_factor`` 62,760 at hidden 16, session 25)."""
+    (a floor of 1e-9 s had read ``reduce_scatter_factor`` 62,760 at hidden 16)."""
     return max(big_s - small_s, 0.01 * big_s, 1e-9)
 
 
 def _copy_after_gather_rate(nbytes: float, device: str, all_gather, calls: int = 12) -> float:
     """Bytes/s of FSDP2's copy-out: an all-gather's fresh output, just written by the collective,
     copied into a fresh buffer of the same size (``nbytes``: a layer's weights); the copy alone is
-    timed, every rank making the same calls. Session 25, the 2-core CPU: the run's FSDP2 copies went
+    timed, every rank making the same calls. On a 2-core CPU the run's FSDP2 copies went
     at 5-7 GB/s; a copy of a buffer the copying thread had written itself read 12-25, one right
     after gloo wrote it 8-10 (the activation-sized product of ``copy_bytes_per_s``: 89, from the
     caches)."""
@@ -552,7 +552,7 @@ def calibrate_cluster(cluster: Cluster, rates: dict[str, float] | None = None, *
         host_synchronous=not torch.cuda.is_available(),
         # FSDP2 on a CPU calls gloo with async_op=False (its all-gathers unless unshard_async_op
         # is set, its reduce-scatters always), so the rank blocks on each collective with cores to
-        # spare or not (session 25, 16-core host, two ranks: FSDP predicted hidden, 6 ms exposed;
+        # spare or not (a 16-core host, two ranks: FSDP predicted hidden, 6 ms exposed;
         # its collectives took ~22 ms a step)
         comm_overlaps_compute=torch.cuda.is_available())
     bus = rates.get("fsdp_busbw", rates.get("allreduce_busbw"))

@@ -2,7 +2,7 @@
 
 Bandwidths are per GPU and per direction, in GB/s (1e9 bytes). ``*_efficiency`` is the share of the
 datasheet figure a collective reaches as bus bandwidth (nccl-tests' busbw): 8xH100 NVLink
-all-gather reaches ~370 GB/s of 450 (FACTS.md), so 0.8. A cluster TOML overrides any field and adds
+all-gather reaches ~370 GB/s of 450 (nccl-tests' ``all_gather_perf`` on a DGX H100), so 0.8. A cluster TOML overrides any field and adds
 network tiers above the node::
 
     [cluster]
@@ -43,8 +43,8 @@ class GpuKind:
     intra_node_gbps: float       #: NVLink per GPU per direction, GB/s
     inter_node_gbps: float       #: NIC per GPU per direction, GB/s
     gpus_per_node: int = 8
-    gemm_efficiency: float = 0.71     #: large bf16 GEMM / peak (ANCHORS.md: 705 of 989 on H200)
-    attention_efficiency: float = 0.39  #: causal flash attention fwd+bwd / peak (ANCHORS.md: 381 of 989)
+    gemm_efficiency: float = 0.71     #: large bf16 GEMM / peak (705 of 989 TFLOP/s, 8192^3 on an H200: gem bench mx)
+    attention_efficiency: float = 0.39  #: causal flash attention fwd+bwd / peak (381 of 989: SDPA on dense95, gem bench attention)
     memory_efficiency: float = 0.8      #: elementwise kernels' share of HBM bandwidth
     link_efficiency: float = 0.8        #: collective bus bandwidth / link rate
     tdp_w: float = 0.0                  #: board power the peak is quoted at, W (0: unknown)

@@ -27,8 +27,8 @@ from gemcore.planner.plan import MESH_ORDER, MeshAxis, Plan
 #: share of HBM a plan may use; the rest covers the CUDA context, NCCL buffers and fragmentation
 MEMORY_HEADROOM = 0.9
 BF16, FP32 = 2, 4
-#: bytes per LM-head logit alive at once at the loss (measured on an H200, 16K × 128K logits,
-#: scripts/loss_norm_probe.py and llama_memory_probe.py): eager ``cross_entropy(x.float())`` holds
+#: bytes per LM-head logit alive at once at the loss (measured on an H200, 16K × 128K logits, the
+#: loss alone and inside a Llama 3 8B-shaped training step, tools/llama_memory_probe.py): eager ``cross_entropy(x.float())`` holds
 #: the fp32 log-softmax output, its dense fp32 gradient and the input gradient during log-softmax's
 #: backward (12; its isolated peak is 14 with the bf16 logits, which the model does not keep);
 #: a fused (torch.compile) loss holds the bf16 logits and their bf16 gradient (4)
@@ -164,7 +164,7 @@ def residual_only_outputs(model: ModelSpec, sac: str, moe_frac: float) -> float:
     them. Eager selective checkpointing caches every kept op's output; a compiled block's
     partitioner keeps only what the backward reads, and an add's backward reads neither (measured:
     TorchTitan's policy on Llama 3 8B blocks keeps 0.908 GB per layer compiled, 1.043 eager, at 16K
-    tokens: one h-wide bf16 tensor, w2's output; scripts/llama_memory_probe.py)."""
+    tokens: one h-wide bf16 tensor, w2's output; tools/llama_memory_probe.py)."""
     recomputed = {name for name, _, _ in sac_recomputed_matmuls(model, sac)}
     wo = 0 if "wo" in recomputed else model.hidden
     w2 = 0 if "w2" in recomputed else model.hidden * (1 - moe_frac)   # experts' outputs are read

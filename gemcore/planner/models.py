@@ -205,7 +205,7 @@ def _length_moments(law: str, seq_len: int, candidates: int) -> tuple[float, flo
 
 
 def history_lengths(law: str, n: int, max_len: int, rng: np.random.Generator) -> np.ndarray:
-    """(n,) history lengths of the ANCHORS.md laws (:func:`gemcore.data.synthetic.history_lengths`)."""
+    """(n,) history lengths of the benchmark workloads' laws (:func:`gemcore.data.synthetic.history_lengths`)."""
     from gemcore.data.synthetic import history_lengths as draw
 
     try:

@@ -1,18 +1,19 @@
-"""Measure the peak memory of a TorchTitan-style Llama 3 8B training step on one GPU and print it
-beside the planner's prediction for the same model and layout (issue 6: the memory figures of
-TorchTitan's published rows).
+"""Peak memory of a TorchTitan-style Llama 3 8B training step on one GPU, beside the planner's
+prediction for the same model and layout: the check behind the memory figures of docs/planner.md
+("Memory, measured").
 
-The model is written here from Llama 3's published shapes (hidden 4096, 32 heads, 8 kv heads, FFN
-14336, vocab 128256) with fewer layers; the step is what TorchTitan runs: FSDP2 (one rank, bf16
+The model follows Llama 3's published shapes (hidden 4096, 32 heads, 8 kv heads, FFN 14336,
+vocabulary 128256) with fewer layers; the step is what TorchTitan runs: FSDP2 (one rank, bf16
 parameters, fp32 reduction; every block sharded, the root not resharded after forward), selective
-op AC that recomputes every second ``aten.mm`` of a block in forward order, SDPA attention, the
-loss as eager fp32 cross-entropy over the flattened logits, AdamW.
+op activation checkpointing that recomputes every second ``aten.mm`` of a block in forward order,
+SDPA attention, the loss as eager fp32 cross-entropy over the flattened logits, AdamW.
 
-    python scripts/llama_memory_probe.py --layers 2 4 8 --batch 2 --seq 8192 [--json]
+    python tools/llama_memory_probe.py --layers 2 4 8 --batch 2 --seq 8192 [--compile]
 
-Per layer count: bytes allocated after the first step (the training state), the peak allocated and
-reserved of the later steps; the slope over layers isolates one block's activations, the intercept
-the loss and the edge weights. Units: GB = 1e9 bytes.
+Needs one CUDA GPU (NCCL). Per layer count, in a fresh process: bytes allocated after the first
+step (the training state), the peak allocated and reserved of the later steps, and the planner's
+predicted peak; the slope over layers isolates one block's activations, the intercept the loss
+and the edge weights. Units: GB = 1e9 bytes.
 """
 from __future__ import annotations
 

@@ -1,9 +1,14 @@
-"""Host time per call of gemcore's jagged attention and of varlen_attn. By default on a tiny input
-(one sequence of 16 tokens, H=4, D=128, bf16): the GPU work is microseconds, so back-to-back calls
-run at the host's pace. ``--batch B --max-len L`` uses B sequences of random length up to L instead
-(the small model's attention: the Gluon path where it applies), ``--profile`` adds cProfile's
-top functions of 100 forward+backward calls. Prints microseconds per forward and per
-forward+backward call. Run on the GPU: ``python3 scripts/attn_host_overhead.py``."""
+"""Host time per call of gemcore's jagged attention and of PyTorch's ``varlen_attn``: the figure
+"host time per call" of docs/benchmarks.md and the known gap of docs/kernels.md.
+
+By default on a tiny input (one sequence of 16 tokens, H=4, D=128, bf16): the GPU work is
+microseconds, so back-to-back calls run at the host's pace. ``--batch B --max-len L`` uses B
+sequences of random length in [L/2, L] instead (a small model's attention: the Gluon path where it
+applies); ``--profile`` adds cProfile's top functions of 100 forward+backward calls. Prints which
+kernels run, then microseconds per forward and per forward+backward call. Needs a CUDA GPU:
+
+    python tools/attention_host_time.py --batch 16 --max-len 512
+"""
 from __future__ import annotations
 
 import argparse
@@ -28,14 +33,20 @@ def per_call_us(fn, n=300):
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def main() -> None:
-    from torch.nn.attention.varlen import varlen_attn
-
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--max-len", type=int, default=16)
     ap.add_argument("--profile", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.batch < 1:
+        ap.error(f"--batch must be >= 1, got {args.batch}")
+    if args.max_len < 1:
+        ap.error(f"--max-len must be >= 1, got {args.max_len}")
+    if not torch.cuda.is_available():
+        raise SystemExit("attention_host_time: needs a CUDA GPU")
+    from torch.nn.attention.varlen import varlen_attn
+
     gen = torch.Generator().manual_seed(0)
     if args.batch == 1:
         lens = torch.tensor([args.max_len])
