@@ -196,7 +196,7 @@ def test_bad_pipeline_input_names_the_argument():
     assert check_supported(Plan(pp=2, dp_shard=2), num_blocks=4) == []
     assert "model.num_blocks = 3" in " ".join(check_supported(Plan(pp=2), num_blocks=3))
     assert check_supported(Plan(pp=2, dp_replicate=2, dp_shard=2, schedule="interleaved", virtual_stages=2)) == []
-    from gemcore.plugins.parallel_planned import PlannedParallelism
+    from gemcore.parallel.planned import PlannedParallelism
 
     # refused before any process group is made (a valid 4-rank plan here would wait for 3 peers)
     env = {"rank": 0, "world_size": 2, "local_rank": 0, "local_world_size": 2}
