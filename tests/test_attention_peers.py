@@ -153,3 +153,16 @@ def test_varlen_matches_the_reference_where_its_mask_is_exact():
     want = jagged_attention_reference(*f64, offsets, causal=True, num_targets=nt)
     assert _rel_err(got, want) <= 2e-2
     _grads_close(got, want, bf, f64, 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_varlen_applies_plain_causal_attention_with_many_candidates():
+    """With several candidates per sequence it computes plain causal attention (the documented
+    difference: candidates also see earlier candidates), not gemcore's target mask."""
+    bf, f64, offsets = _gpu_case(GPU_LENGTHS)
+    nt = torch.tensor([0, 1, 300, 0, 0, 300, 17, 1500], device="cuda")
+    got = varlen_attention(*bf, offsets, num_targets=nt, max_seqlen=2000)
+    causal = jagged_attention_reference(*f64, offsets, causal=True)
+    targets = jagged_attention_reference(*f64, offsets, causal=True, num_targets=nt)
+    assert _rel_err(got, causal) <= 2e-2 < _rel_err(got, targets)
