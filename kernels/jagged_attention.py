@@ -24,7 +24,9 @@ def jagged_attention(q, k, v, offsets, *, kv_offsets=None, activation="softmax",
     activation: "softmax" or one of :data:`ACTIVATIONS` (``out_i = sum_j act(scale q_i.k_j) v_j
     / norm`` over allowed keys). causal (self-attention only): key j <= query i.
     num_targets: (B,) candidates at the end of each sequence (causal only), each sees the history
-    and itself. window: (left, right) in tokens, None or negative = unbounded. scale defaults to
+    and itself. window: (left, right) in tokens, None or negative = unbounded; a candidate's
+    position is clamped to the history's end for ``left`` (it sees the last ``left`` history
+    items, as HSTU's ``max_attn_len``). scale defaults to
     1/sqrt(Dqk); norm (non-softmax only) to max_seqlen, which defaults to the longest q or kv
     sequence. backend: "auto" (triton on CUDA, reference elsewhere), "triton" or "reference".
     validate=False (with max_seqlen given) skips the checks of the offsets' values, which cost one

@@ -10,8 +10,10 @@ Semantics shared with the Triton kernels:
 * positions ``i`` (query) and ``j`` (key) count from the start of their own sequence;
 * ``causal``: ``j <= i``; ``num_targets[b] = n`` (causal only): with ``h = Lq - n`` history tokens,
   a key ``j >= h`` (a candidate) is visible only to itself: allowed iff ``j < h or j == i``;
-* ``window = (left, right)``: ``i - j <= left`` and ``j - i <= right``; ``None`` or a negative
-  bound is unbounded;
+* ``window = (left, right)``: ``p(i) - j <= left`` and ``j - i <= right``; ``None`` or a negative
+  bound is unbounded. ``p(i) = min(i, h)``: a candidate's position is clamped to the end of the
+  history, so every candidate sees the last ``left`` history items (as generative-recommenders'
+  ``pytorch_hstu_mha`` with ``max_attn_len = left``); without targets ``p(i) = i``;
 * softmax rows with no allowed key produce zeros; other activations are
   ``act(scale * q.k) / norm`` summed over allowed keys;
 * ``max_seqlen`` (when None) is the longest sequence among q's and kv's sequences; it is the
@@ -58,14 +60,16 @@ def allowed_mask(lq: int, lk: int, *, causal: bool, n_targets: int, window, devi
     i = torch.arange(lq, device=device)[:, None]
     j = torch.arange(lk, device=device)[None, :]
     allowed = torch.ones(lq, lk, dtype=torch.bool, device=device)
+    pos = i  # the query's position for the left window: candidates' clamped to the history end
     if causal:
         allowed &= j <= i
         if n_targets:
             history = lq - n_targets
             allowed &= (j < history) | (j == i)
+            pos = i.clamp(max=history)
     left, right = window_bounds(window)
     if left >= 0:
-        allowed &= (i - j) <= left
+        allowed &= (pos - j) <= left
     if right >= 0:
         allowed &= (j - i) <= right
     return allowed

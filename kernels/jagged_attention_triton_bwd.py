@@ -104,7 +104,8 @@ def _jagged_attn_bwd_dkdv(
     qk_scale = scale * 1.4426950408889634
     q_base = Q + q_start * stride_qt + h * stride_qh
     do_base = DO + o_start * stride_dot + h * stride_doh
-    lo, hi = _query_range(n0, q_len, left, right, BLOCK_M, BLOCK_N, CAUSAL, HAS_LEFT, HAS_RIGHT)
+    lo, hi = _query_range(n0, q_len, history, left, right, BLOCK_M, BLOCK_N, CAUSAL, HAS_TARGETS,
+                          HAS_LEFT, HAS_RIGHT)
     f_lo, f_hi = _full_queries(n0, lo, hi, q_len, kv_len, history, left, right, BLOCK_M, BLOCK_N,
                                CAUSAL, HAS_TARGETS, HAS_LEFT, HAS_RIGHT)
     for part in tl.static_range(3):
@@ -206,7 +207,8 @@ def _jagged_attn_bwd_dq(
     dq = tl.zeros((BLOCK_M, BLOCK_DQK), dtype=tl.float32)
     k_base = K + kv_start * stride_kt + h * stride_kh
     v_base = V + kv_start * stride_vt + h * stride_vh
-    lo, hi = _key_range(m0, kv_len, left, right, BLOCK_M, BLOCK_N, CAUSAL, HAS_LEFT, HAS_RIGHT)
+    lo, hi = _key_range(m0, kv_len, history, left, right, BLOCK_M, BLOCK_N, CAUSAL, HAS_TARGETS,
+                        HAS_LEFT, HAS_RIGHT)
     f_lo, f_hi = _full_keys(m0, lo, hi, q_len, kv_len, history, left, right, BLOCK_M, BLOCK_N,
                             CAUSAL, HAS_TARGETS, HAS_LEFT, HAS_RIGHT)
     for part in tl.static_range(3):

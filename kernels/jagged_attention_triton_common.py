@@ -171,16 +171,21 @@ def _allowed(i, j, q_len, kv_len, history, left, right, CAUSAL: tl.constexpr,
     if HAS_TARGETS:
         mask = mask & ((j < history) | (j == i))
     if HAS_LEFT:
-        mask = mask & (i - j <= left)
+        if HAS_TARGETS:  # candidates' positions are clamped to the history's end
+            mask = mask & (tl.minimum(i, history) - j <= left)
+        else:
+            mask = mask & (i - j <= left)
     if HAS_RIGHT:
         mask = mask & (j - i <= right)
     return mask
 
 
 @triton.jit
-def _key_range(m0, kv_len, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """[lo, hi) of keys that rows [m0, m0+BLOCK_M) may see; lo is a multiple of BLOCK_N."""
+def _key_range(m0, kv_len, history, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_LEFT: tl.constexpr,
+               HAS_RIGHT: tl.constexpr):
+    """[lo, hi) of keys that rows [m0, m0+BLOCK_M) may see; lo is a multiple of BLOCK_N.
+    With targets, the window of candidate rows starts from the history's end."""
     lo = m0 * 0
     hi = kv_len
     if CAUSAL:
@@ -188,15 +193,20 @@ def _key_range(m0, kv_len, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
     if HAS_RIGHT:
         hi = tl.minimum(hi, m0 + BLOCK_M + right)
     if HAS_LEFT:
-        lo = tl.maximum(lo, m0 - left)
+        if HAS_TARGETS:
+            lo = tl.maximum(lo, tl.minimum(m0, history) - left)
+        else:
+            lo = tl.maximum(lo, m0 - left)
         lo = (lo // BLOCK_N) * BLOCK_N
     return lo, hi
 
 
 @triton.jit
-def _query_range(n0, q_len, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """[lo, hi) of rows that may see keys [n0, n0+BLOCK_N); lo is a multiple of BLOCK_M."""
+def _query_range(n0, q_len, history, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_LEFT: tl.constexpr,
+                 HAS_RIGHT: tl.constexpr):
+    """[lo, hi) of rows that may see keys [n0, n0+BLOCK_N); lo is a multiple of BLOCK_M.
+    With targets, every candidate row sees the keys within ``left`` of the history's end."""
     lo = n0 * 0
     hi = q_len
     if CAUSAL:
@@ -204,6 +214,9 @@ def _query_range(n0, q_len, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
     if HAS_RIGHT:
         lo = tl.maximum(lo, n0 - right)
     if HAS_LEFT:
-        hi = tl.minimum(hi, n0 + BLOCK_N + left)
+        reach = n0 + BLOCK_N + left  # rows below it may see the tile (positions unclamped)
+        if HAS_TARGETS:  # the candidates, clamped to the history's end, see its history keys
+            reach = tl.where((reach > history) & (n0 < history), q_len, reach)
+        hi = tl.minimum(hi, reach)
     lo = (lo // BLOCK_M) * BLOCK_M
     return lo, hi

@@ -94,7 +94,8 @@ def _jagged_attn_fwd(
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     qk_scale = scale * 1.4426950408889634
-    lo, hi = _key_range(m0, kv_len, left, right, BLOCK_M, BLOCK_N, CAUSAL, HAS_LEFT, HAS_RIGHT)
+    lo, hi = _key_range(m0, kv_len, history, left, right, BLOCK_M, BLOCK_N, CAUSAL, HAS_TARGETS,
+                        HAS_LEFT, HAS_RIGHT)
     f_lo, f_hi = _full_keys(m0, lo, hi, q_len, kv_len, history, left, right, BLOCK_M, BLOCK_N,
                             CAUSAL, HAS_TARGETS, HAS_LEFT, HAS_RIGHT)
     for part in tl.static_range(3):

@@ -45,3 +45,14 @@ def test_tune_installs_the_fastest_tile_times_as_asked_and_sweeps_with_the_gluon
     assert [k for k, _, _ in seen] == ["fwd", "fwd", "dq", "dq"]
     assert all(hidden and switch == "0" for _, hidden, switch in seen)
     assert "GEMCORE_GLUON_ATTENTION" not in os.environ
+
+
+def test_model_workload_is_the_models_attention_shape():
+    from gemcore.bench.attention import MODEL_SHAPE, WORKLOADS, workload_lengths
+
+    assert "model" in WORKLOADS
+    lengths, kv = workload_lengths("model")
+    assert kv is None and lengths.numel() == MODEL_SHAPE["users"] == 48
+    n = MODEL_SHAPE["candidates"]
+    assert int(lengths.min()) >= 8 + n and int(lengths.max()) <= MODEL_SHAPE["max_len"] + n
+    assert torch.equal(lengths, workload_lengths("model")[0])  # seeded

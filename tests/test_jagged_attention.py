@@ -44,7 +44,8 @@ def _visible(i, j, lq, causal, n_targets, window) -> bool:
         return False
     if window is not None:
         left, right = window
-        if left is not None and left >= 0 and i - j > left:
+        pos = min(i, lq - n_targets) if causal and n_targets else i  # candidates at the history's end
+        if left is not None and left >= 0 and pos - j > left:
             return False
         if right is not None and right >= 0 and j - i > right:
             return False
@@ -128,6 +129,83 @@ def test_reference_matches_float64_loop(lengths, kv_extra, activation, mode, win
         for a, b in zip(_grads(ref, (q, k, v), seed), _grads(want, (q, k, v), seed)):
             torch.testing.assert_close(a if a is not None else torch.zeros_like(b),
                                        b if b is not None else torch.zeros_like(a), rtol=1e-9, atol=1e-9)
+
+
+# --------------------------------------------------------------------------- HSTU's target rule
+def hstu_valid_mask(L: int, n: int, max_attn_len: int) -> torch.Tensor:
+    """(L, L) bool, element by element from generative-recommenders' ``pytorch_hstu_mha`` rule:
+    positions clamped to the history's end ``L - n``; row r sees column c when r == c or the
+    clamped distance is positive, and (``max_attn_len > 0``) at most ``max_attn_len``."""
+    mask = torch.zeros(L, L, dtype=torch.bool)
+    for r in range(L):
+        for c in range(L):
+            dist = min(r, L - n) - min(c, L - n)
+            ok = r == c or dist > 0
+            if max_attn_len > 0:
+                ok = ok and dist <= max_attn_len
+            mask[r, c] = ok
+    return mask
+
+
+def _hstu_window(w: int, right):
+    return None if w == 0 else (w, right)
+
+
+def test_target_window_example_from_hstu():
+    """L=3, 2 candidates, window 1: the last candidate sees the last history item and itself."""
+    from gemcore.kernels.jagged_attention_reference import allowed_mask
+
+    got = allowed_mask(3, 3, causal=True, n_targets=2, window=(1, 0), device="cpu")
+    assert got[2].tolist() == [True, False, True]
+    assert torch.equal(got, hstu_valid_mask(3, 2, 1))
+
+
+@pytest.mark.parametrize("right", [None, 0])
+def test_mask_matches_hstu_rule(right):
+    """Every L <= 9, every number of candidates 0..L and every window 0 (none) .. L + 1."""
+    from gemcore.kernels.jagged_attention_reference import allowed_mask
+
+    for L in range(10):
+        for n in range(L + 1):
+            for w in range(L + 2):
+                got = allowed_mask(L, L, causal=True, n_targets=n, window=_hstu_window(w, right),
+                                   device="cpu")
+                assert torch.equal(got, hstu_valid_mask(L, n, w)), (L, n, w)
+
+
+def _dense_hstu_attention(q, k, v, lengths, targets, w, activation, norm):
+    """Float64 attention of each sequence under :func:`hstu_valid_mask`, dense per sequence."""
+    outs, start = [], 0
+    for L, n in zip(lengths, targets):
+        qb, kb, vb = (t[start:start + L].double() for t in (q, k, v))
+        start += L
+        s = torch.einsum("ihd,jhd->hij", qb, kb) / math.sqrt(q.shape[-1])
+        allowed = hstu_valid_mask(L, n, w)
+        if activation == "softmax":
+            p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
+        else:
+            p = _act64(activation, s) * allowed / norm
+        outs.append(torch.einsum("hij,jhd->ihd", p, vb))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize("w", [0, 1, 2, 5])
+def test_reference_matches_dense_hstu_attention(activation, w):
+    """Output and gradients of the reference with targets and a window against dense float64
+    attention under HSTU's mask; empty and length-1 sequences, no candidates and all candidates."""
+    lengths = [0, 1, 1, 7, 9, 4, 12]
+    targets = [0, 0, 1, 3, 0, 4, 8]
+    g = torch.Generator().manual_seed(w)
+    T = sum(lengths)
+    q, k, v = (torch.randn(T, 2, 4, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3))
+    offsets = _offsets(lengths)
+    got = jagged_attention_reference(q, k, v, offsets, activation=activation, causal=True,
+                                     num_targets=torch.tensor(targets), window=_hstu_window(w, 0))
+    want = _dense_hstu_attention(q, k, v, lengths, targets, w, activation, norm=max(lengths))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    for a, b in zip(_grads(got, (q, k, v)), _grads(want, (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
 def test_reference_scale_norm_and_max_seqlen():

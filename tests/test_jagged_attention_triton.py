@@ -25,6 +25,7 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from gemcore.kernels import jagged_attention  # noqa: E402
+from gemcore.kernels.jagged_attention_reference import jagged_attention_reference  # noqa: E402
 from gemcore.kernels.jagged_attention_triton import (  # noqa: E402
     TileConfig, jagged_attention_bwd_op, jagged_attention_fwd_op, pinned_configs)
 from gemcore.kernels.jagged_attention_triton_common import (  # noqa: E402
@@ -106,6 +107,47 @@ def test_self_attention_full(activation):
 def test_num_targets_and_window(activation, window):
     check_parity(LENGTHS, activation=activation, causal=True, targets=TARGETS)
     check_parity(LENGTHS, activation=activation, causal=window[1] == 0, window=window)
+
+
+# candidates far past history + window (their clamped window starts at the history's end), no
+# candidates, all candidates, empty and length-1 sequences; 16-row tiles in the interpreter
+TW_LENGTHS = [0, 1, 50, 1, 19, 40] if INTERPRET else [0, 1, 700, 1, 129, 300, 64, 2000]
+TW_TARGETS = [0, 1, 20, 0, 0, 40] if INTERPRET else [0, 1, 300, 0, 0, 300, 17, 1500]
+
+
+def check_against_float64(lengths, targets, window, activation, dtype=torch.float32, tol=1e-5):
+    """Triton output and gradients against the reference run on float64 copies of the inputs."""
+    g = torch.Generator(device=DEVICE).manual_seed(len(lengths))
+    offsets = _offsets(lengths)
+    T = int(offsets[-1])
+    q, k, v = (torch.randn(T, 2, 16, generator=g, device=DEVICE).to(dtype).requires_grad_()
+               for _ in range(3))
+    kw = dict(activation=activation, causal=True, window=window,
+              num_targets=torch.tensor(targets, device=DEVICE))
+    got = jagged_attention(q, k, v, offsets, backend="triton", **kw)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = jagged_attention_reference(q64, k64, v64, offsets, **kw)
+    assert _rel_err(got, want) <= tol, ("out", _rel_err(got, want))
+    grad = torch.randn(got.shape, generator=g, device=DEVICE).to(dtype)
+    g_got = torch.autograd.grad(got, (q, k, v), grad)
+    g_want = torch.autograd.grad(want, (q64, k64, v64), grad.double())
+    for name, a, b in zip("qkv", g_got, g_want):
+        assert _rel_err(a, b) <= tol, ("d" + name, _rel_err(a, b))
+
+
+@pytest.mark.parametrize("activation, window", [("softmax", (1, 0)), ("silu", (5, None)),
+                                                ("softmax", (17, 0)), ("gelu", (0, 0)),
+                                                ("softmax", (None, 0))])
+def test_targets_with_window_clamp_candidates_to_history_end(activation, window):
+    check_against_float64(TW_LENGTHS, TW_TARGETS, window, activation)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize("left", [1, 37, 256])
+def test_targets_with_window_bf16_on_gpu(activation, left):
+    check_against_float64(TW_LENGTHS, TW_TARGETS, (left, 0), activation, dtype=torch.bfloat16, tol=2e-2)
 
 
 @pytest.mark.parametrize("activation", ["softmax", "gelu_tanh"])

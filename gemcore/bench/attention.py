@@ -3,7 +3,11 @@
 Workloads (docs/benchmarks.md, "Workloads") and the FLOP count: H=4, D=128, bf16; useful forward FLOPs =
 4·Σ(Lq·Lk)·H·D (halved for causal self-attention), forward+backward = 3.5 × forward. The anchors
 (padded SDPA, ``torch.nn.attention.varlen.varlen_attn``, FlexAttention with a document mask,
-nested-tensor SDPA) are measured in the same run, on the same inputs. gemcore is timed the way
+nested-tensor SDPA) are measured in the same run, on the same inputs. Workload ``model`` is the
+attention of ``gem bench train``'s model: heavytail histories of 48 users (max 4096) plus 16
+candidates each (``num_targets``), H=8 heads of D=128; there the anchors run plain causal attention
+(varlen_attn cannot take the target mask), and with ``flex`` a second FlexAttention row runs the
+exact target mask; FLOPs are counted as causal. gemcore is timed the way
 the model calls it (``max_seqlen`` given, ``validate=False``: no host sync, as ``varlen_attn``
 takes its maxima from the caller); ``--validated`` adds the checked call (one host sync). The
 Gluon kernels' work lists are built once per offsets tensor, as a model's layers share one batch's
@@ -27,7 +31,10 @@ import torch
 
 from gemcore.bench.timing import median_ms
 
-WORKLOADS = ("dense95", "heavytail", "cross")
+WORKLOADS = ("dense95", "heavytail", "cross", "model")
+#: workload ``model``: users, max history length, candidates per user, heads (D=128), as
+#: ``gem bench train --workload heavytail --users 48`` (hidden 1024, 8 heads)
+MODEL_SHAPE = dict(users=48, max_len=4096, candidates=16, heads=8)
 ANCHORS = ("sdpa", "varlen", "flex", "nested")
 
 
@@ -56,8 +63,12 @@ def lengths_for(kind: str, B: int, max_len: int, gen: torch.Generator) -> torch.
 
 def workload_lengths(workload: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(q lengths, kv lengths or None for self-attention), one generator seeded 0: dense95 then
-    heavytail; cross from a fresh one."""
+    heavytail; cross from a fresh one; ``model``: heavytail histories of MODEL_SHAPE's users plus
+    their candidates, seeded 0."""
     gen = torch.Generator().manual_seed(0)
+    if workload == "model":
+        history = lengths_for("heavytail", MODEL_SHAPE["users"], MODEL_SHAPE["max_len"], gen)
+        return history + MODEL_SHAPE["candidates"], None
     dense = lengths_for("dense95", 256, 2048, gen)
     if workload == "dense95":
         return dense, None
@@ -262,8 +273,11 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("gem bench attention needs a CUDA GPU")
         return 2
-    dev, dtype, H, D = torch.device("cuda"), torch.bfloat16, 4, 128
+    dev, dtype, D = torch.device("cuda"), torch.bfloat16, 128
+    H = MODEL_SHAPE["heads"] if args.workload == "model" else 4
     q_lens, kv_lens = workload_lengths(args.workload)
+    num_targets = (torch.full_like(q_lens, MODEL_SHAPE["candidates"]).to(dev)
+                   if args.workload == "model" else None)
     cross = kv_lens is not None
     causal = not cross
     activations = [args.activation] if args.activation else (["gelu_tanh"] if cross else ["softmax", "silu"])
@@ -279,15 +293,15 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     if args.tune:
         kw = dict(kv_offsets=kv_off if cross else None, activation=activations[0], causal=causal,
-                  max_seqlen=max(q_max, kv_max), backend="triton")
+                  max_seqlen=max(q_max, kv_max), backend="triton", num_targets=num_targets)
         tune(lambda: jagged_attention(q, k, v, q_off, validate=False, **kw), (q, k, v), D, flops,
              activations[0], args.gpu_time)
     for act in activations:
         kw = dict(kv_offsets=kv_off if cross else None, activation=act, causal=causal,
-                  max_seqlen=max(q_max, kv_max), backend="triton")
+                  max_seqlen=max(q_max, kv_max), backend="triton", num_targets=num_targets)
         # as the model calls it: offsets valid by construction, no host sync (varlen_attn's terms)
-        fwd = forward_kernel(q, k, v, q_off, kw["kv_offsets"], causal=causal, activation=act)
-        bwd = backward_kernel(q, k, v, q_off, kw["kv_offsets"], causal=causal)
+        fwd = forward_kernel(q, k, v, q_off, kw["kv_offsets"], num_targets, causal=causal, activation=act)
+        bwd = backward_kernel(q, k, v, q_off, kw["kv_offsets"], num_targets, causal=causal)
         variants = [(f"{fwd} fwd, {bwd} bwd", contextlib.nullcontext)]
         # the Triton kernels beside the Gluon ones, same run: the backward alone, then both
         if bwd != "triton" and fwd != "triton":
@@ -304,6 +318,11 @@ def run(args: argparse.Namespace) -> int:
     which = ANCHORS if args.anchors == "all" else () if args.anchors == "none" else tuple(args.anchors.split(","))
     rows += anchor_rows(which, q, k, v, q_off, kv_off, q_max, kv_max, causal, flops, args.iters,
                         args.gpu_time)
+    if num_targets is not None and "flex" in which:
+        from gemcore.kernels.torch_attention import flex_attention_jagged
+
+        rows.append(measure("FlexAttention (target mask)", lambda: flex_attention_jagged(
+            q, k, v, q_off, num_targets=num_targets), (q, k, v), flops, args.iters, args.gpu_time))
     if args.pma:
         pq = torch.randn(args.pma, H, D, device=dev, dtype=dtype, generator=gen).requires_grad_()
         pma_flops = useful_fwd_flops(torch.full_like(kv_lens if cross else q_lens, args.pma),
@@ -316,6 +335,7 @@ def run(args: argparse.Namespace) -> int:
                 tokens_q=int(q_off[-1]), tokens_kv=int(kv_off[-1]), batch=int(q_lens.numel()),
                 padding_ratio=round(q_lens.numel() * q_max / int(q_off[-1]), 2), H=H, D=D,
                 dtype="bf16", causal=causal, useful_fwd_tflop=flops / 1e12,
+                candidates=MODEL_SHAPE["candidates"] if num_targets is not None else 0,
                 timing="gpu (spacer)" if args.gpu_time else "per call from an idle GPU")
     # the Gluon kernels' work lists are built once per offsets tensor (a model's layers share one
     # batch's), so the rows' repeated calls reuse them: what one build costs, for the record

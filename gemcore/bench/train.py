@@ -1,6 +1,11 @@
-"""End-to-end training step: gemcore (jagged, jfa, bbs, bf16/mxfp8) against a padded PyTorch baseline.
+"""End-to-end training step: gemcore (jagged, jfa, bbs, bf16/mxfp8) against PyTorch peers.
 
-``gem bench train --device cuda --workload heavytail|dense95 [--steps N] [--json]``
+``gem bench train --device cuda --workload heavytail|dense95 [--steps N] [--configs ...] [--json]``
+
+Peers: ``padded`` (SDPA on zero-padded batches), ``varlen`` (torch's ``varlen_attn``, plain causal:
+candidates also see earlier candidates) and ``flex`` (compiled FlexAttention with the exact
+target-aware mask), each in the same model through the attention hook. All configurations run
+softmax attention; ``+compile`` compiles the model's dense parts (MLP, norms) in any of them.
 
 Every configuration trains the same GEM-style model (same initial weights) on the same synthetic
 data for the same number of steps. Reported per configuration: tokens/s (real tokens), samples/s,
@@ -24,7 +29,10 @@ from gemcore.model import GemModel
 from gemcore.plugin_manager import create_plugin_manager
 
 WORKLOADS = {"heavytail": 4096, "dense95": 2048}  # max history length (docs/benchmarks.md, Workloads)
-CONFIGS = ("padded", "bf16", "mxfp8", "bf16+compile", "mxfp8+compile")
+CONFIGS = ("padded", "bf16", "mxfp8", "bf16+compile", "mxfp8+compile",
+           "varlen", "varlen+compile", "flex", "flex+compile")
+#: configurations whose attention is a torch-native peer (attention impl = the name before "+")
+PEERS = ("varlen", "flex")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,8 +82,13 @@ def _batches(data, users: int, steps: int, order: str, seed: int, manager):
 def build(config: str, model_cfg: ModelConfig, manager, device, seed: int):
     """(model-like object with .loss(batch) and .parameters(), the GemModel inside, description)."""
     torch.manual_seed(seed)
-    attention_name = "jfa" if "jfa" in manager.implementations("attention") else "reference"
-    attention = manager.resolve("attention", attention_name).factory(AttentionConfig())
+    peer = config.split("+")[0]
+    if peer in PEERS:
+        attention_name = peer
+    else:
+        attention_name = "jfa" if "jfa" in manager.implementations("attention") else "reference"
+    attention = manager.resolve("attention", attention_name).factory(
+        AttentionConfig(impl=attention_name, activation="softmax"))
     model = GemModel(model_cfg, attention)
     precision_name = "mxfp8" if config.startswith("mxfp8") else "bf16"
     policy = manager.resolve("precision", precision_name).factory(PrecisionConfig(impl=precision_name))
@@ -234,7 +247,9 @@ def run(args: argparse.Namespace) -> int:
               "users_per_step": args.users, "max_len": max_len, "steps": args.steps,
               "sampler": order_used, "results": [r.__dict__ for r in results], "local_mfu": local}
     base = next((r for r in results if r.config == "padded" and not r.error), None)
+    peers = [r.tokens_per_s for r in results if not r.error and r.config.split("+")[0] in PEERS + ("padded",)]
     for r in report["results"]:
+        r["speedup_vs_best_peer"] = (r["tokens_per_s"] / max(peers)) if peers and not r["error"] else None
         r["speedup_vs_padded"] = (r["tokens_per_s"] / base.tokens_per_s) if base and not r["error"] else None
         r["loss_vs_padded"] = ((r["heldout_loss"] / base.heldout_loss - 1) if base and not r["error"] else None)
     if args.json:
@@ -244,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
           f"{args.users} users/step, {args.steps} timed steps; model: {args.blocks} blocks, hidden "
           f"{args.hidden}, {args.heads} heads x {args.hidden // args.heads}, {dense / 1e6:.0f}M dense params")
     print(f"{'config':15s} {'tok/s':>11s} {'samples/s':>10s} {'MFU':>7s} {'step ms':>8s} {'mem GB':>7s} "
-          f"{'loss':>8s} {'dloss':>7s} {'x pad':>6s} {'syncs':>6s}")
+          f"{'loss':>8s} {'dloss':>7s} {'x pad':>6s} {'x peer':>6s} {'syncs':>6s}")
     for r in report["results"]:
         if r["error"]:
             print(f"{r['config']:15s} FAILED {r['error']}")
@@ -252,9 +267,10 @@ def run(args: argparse.Namespace) -> int:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         dl = f"{100 * r['loss_vs_padded']:+.2f}%" if r["loss_vs_padded"] is not None else "-"
         sp = f"{r['speedup_vs_padded']:.2f}" if r["speedup_vs_padded"] else "-"
+        bp = f"{r['speedup_vs_best_peer']:.2f}" if r["speedup_vs_best_peer"] else "-"
         sy = f"{r['syncs_per_step']:.1f}" if r["syncs_per_step"] is not None else "-"
         print(f"{r['config']:15s} {r['tokens_per_s']:11,.0f} {r['samples_per_s']:10,.1f} {mfu:>7s} "
-              f"{r['step_ms']:8.1f} {r['peak_mem_gb']:7.1f} {r['heldout_loss']:8.4f} {dl:>7s} {sp:>6s} {sy:>6s}")
+              f"{r['step_ms']:8.1f} {r['peak_mem_gb']:7.1f} {r['heldout_loss']:8.4f} {dl:>7s} {sp:>6s} {bp:>6s} {sy:>6s}")
     if local:
         print("local MFU (bf16, one block's layer alone, fwd+bwd):")
         for row in local:
