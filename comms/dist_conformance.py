@@ -207,10 +207,36 @@ class DistSuite:
                 self.expect(outs[r], _value(r, (3,), torch.float32, d, salt=4), "gather")
 
 
+def _plant(fault: str, rank: int, world: int, device: torch.device) -> None:
+    import os
+    import time
+
+    last = rank == world - 1
+    if last:
+        print(f"[rank {rank}] planting fault {fault!r}", flush=True)
+    if fault == "raise" and last:
+        raise RuntimeError("planted fault")
+    if fault == "exit" and last:
+        os._exit(3)
+    if fault == "mismatch":
+        n = 3 if last else 2
+        out = torch.empty(n * world, device=device)
+        _all_gather_single(out, torch.ones(n, device=device))
+    else:
+        x = torch.ones(4, device=device)
+        for _ in range(1000):  # the healthy ranks keep calling collectives: they must not hang
+            dist.all_reduce(x)
+            time.sleep(0.01)
+    print(f"[rank {rank}] fault not detected", flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gemcore.comms.dist_conformance")
     parser.add_argument("--backend", default="mpi")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--fault", choices=("raise", "exit", "mismatch"),
+                        help="plant a failure on the last rank after the suite: it raises, dies, or "
+                             "calls all_gather_into_tensor with another shape than the others")
     args = parser.parse_args(argv)
     comm = comms.init(args.backend, timeout_s=60)
     device = torch.device(args.device, comm.local_rank % torch.cuda.device_count()) if args.device == "cuda" \
@@ -221,6 +247,8 @@ def main(argv=None) -> int:
     checks = DistSuite(device, print).run()
     print(f"[rank {comm.rank}] {name}: {checks} torch.distributed checks passed on {device.type} "
           f"(world {comm.world_size})", flush=True)
+    if args.fault:
+        _plant(args.fault, comm.rank, comm.world_size, device)
     dist.destroy_process_group()
     comms.finalize()
     return 0

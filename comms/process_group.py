@@ -346,10 +346,12 @@ def register(comm_backend: str, devices: Sequence[str] | None = None) -> str:
     return name
 
 
-def init_process_group(comm: Communicator, *, timeout_s: float | None = None) -> str:
+def init_process_group(comm: Communicator, *, timeout_s: float | None = None, prefix: str = "default_pg") -> str:
     """Make torch.distributed's default process group run on ``comm`` (the job's communicator,
     made by :func:`gemcore.comms.init`); its sub-groups run on ``comm.subgroup``. Collective.
 
+    :param prefix: the default group's keys in the job's store (a job that makes the default group
+        again after destroying it uses a fresh prefix each time).
     :return: the backend string given to :func:`torch.distributed.init_process_group`.
     """
     import datetime
@@ -362,7 +364,7 @@ def init_process_group(comm: Communicator, *, timeout_s: float | None = None) ->
     name = register(comm.backend)
     store = job_store(timeout_s=timeout_s if timeout_s is not None else comm.timeout_s)
     timeout = datetime.timedelta(seconds=timeout_s or comm.timeout_s or 3600.0)
-    dist.init_process_group(name, store=dist.PrefixStore("default_pg", store), rank=comm.rank,
+    dist.init_process_group(name, store=dist.PrefixStore(prefix, store), rank=comm.rank,
                             world_size=comm.world_size, timeout=timeout)
     return name
 

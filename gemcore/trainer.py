@@ -61,8 +61,11 @@ def build_components(config: Config, manager: GemPluginManager) -> Components:
     if config.comms.backend != "none":
         from gemcore import comms  # "auto" and plugin names resolve here; installs the abort hook
 
-        comm = comms.init(config.comms.backend, manager=manager, timeout_s=config.comms.timeout_s,
-                          check=config.comms.check)
+        try:
+            comm = comms.init(config.comms.backend, manager=manager, timeout_s=config.comms.timeout_s,
+                              check=config.comms.check)
+        except RuntimeError as exc:  # a backend that cannot run here says why in one line
+            raise TrainError(f"comms.backend = {config.comms.backend!r}: {exc}") from None
     parallelism = manager.resolve("parallelism", config.parallelism.impl).factory(
         config.parallelism, comm=comm, run_config=config)
     sampler_factory = manager.resolve("data", config.data.sampler).factory

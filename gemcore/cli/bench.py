@@ -10,6 +10,7 @@ BENCHMARKS = {
     "mx": "gemcore.bench.mx",
     "comms": "gemcore.bench.comms",
     "comms_overlap": "gemcore.bench.comms_overlap",
+    "comms_step": "gemcore.bench.comms_step",
     "bbs": "gemcore.bench.bbs",
     "train": "gemcore.bench.train",
 }
