@@ -356,10 +356,24 @@ class CopyEngineCommunicator(Communicator):
         return CopyEngineCommunicator(timeout_s=self.timeout_s, check=self.check, delegate=sub,
                                       window_bytes=_MIN_WINDOW, sync=self.sync)
 
+    # Point to point goes through the delegate; a gloo delegate moves host memory only, so CUDA
+    # tensors are staged through pinned host buffers (pipeline stages' activations: small).
     def _isend_impl(self, t: torch.Tensor, dst: int, tag: int):
+        if t.is_cuda and self.delegate.backend == "gloo":
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t)  # synchronous: the send may read the buffer at once
+            return self.delegate._isend_impl(host, dst, tag)
         return self.delegate._isend_impl(t, dst, tag)
 
     def _irecv_impl(self, t: torch.Tensor, src: int, tag: int):
+        if t.is_cuda and self.delegate.backend == "gloo":
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            pending = self.delegate._irecv_impl(host, src, tag)
+
+            def wait() -> None:
+                pending()
+                t.copy_(host, non_blocking=True)  # ordered on the current stream
+            return wait
         return self.delegate._irecv_impl(t, src, tag)
 
     def _subgroup_impl(self, members: list[int], store) -> Communicator:
