@@ -1,4 +1,4 @@
-"""gemcore compute kernels: every Triton kernel beside a PyTorch reference with the same signature."""
-from gemcore.kernels.jagged_attention import jagged_attention
+"""gemcore compute kernels: every Triton kernel beside a PyTorch reference with the same signature.
 
-__all__ = ["jagged_attention"]
+Each op is a module: ``from gemcore.kernels.jagged_attention import jagged_attention``,
+``from gemcore.kernels.mx import MXLinear``."""

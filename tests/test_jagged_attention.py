@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gemcore.config import AttentionConfig, ModelConfig
-from gemcore.kernels import jagged_attention
+from gemcore.kernels.jagged_attention import jagged_attention
 from gemcore.kernels.jagged_attention_reference import jagged_attention_reference
 
 ACTS = ["softmax", "silu", "gelu", "gelu_tanh", "relu", "relu2", "identity"]

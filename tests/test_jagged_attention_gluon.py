@@ -16,7 +16,7 @@ triton = pytest.importorskip("triton")
 gluon_attention = pytest.importorskip("gemcore.kernels.jagged_attention_gluon",
                                       reason="this Triton has no Gluon Hopper ops")
 
-from gemcore.kernels import jagged_attention  # noqa: E402
+from gemcore.kernels.jagged_attention import jagged_attention  # noqa: E402
 from gemcore.kernels.jagged_attention_reference import jagged_attention_reference  # noqa: E402
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)

@@ -24,7 +24,7 @@ triton = pytest.importorskip("triton")
 
 import triton.language as tl  # noqa: E402
 
-from gemcore.kernels import jagged_attention  # noqa: E402
+from gemcore.kernels.jagged_attention import jagged_attention  # noqa: E402
 from gemcore.kernels.jagged_attention_reference import jagged_attention_reference  # noqa: E402
 from gemcore.kernels.jagged_attention_triton import (  # noqa: E402
     TileConfig, jagged_attention_bwd_op, jagged_attention_fwd_op, pinned_configs)

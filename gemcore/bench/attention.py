@@ -267,7 +267,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gemcore.kernels import jagged_attention
+    from gemcore.kernels.jagged_attention import jagged_attention
     from gemcore.kernels.jagged_attention_triton import backward_kernel, forward_kernel
 
     if not torch.cuda.is_available():
