@@ -173,10 +173,6 @@ class CopyEngineCommunicator(Communicator):
                                "torch.cuda.is_available() is False")
         self.cupy = import_cupy()
         self.rt = self.cupy.cuda.runtime
-        self._mem_ops = None
-        if sync == "flags":
-            from gemcore.comms.ce_flags import StreamFlags
-            self._mem_ops = StreamFlags()
         if isinstance(delegate, Communicator):
             self.delegate = delegate
         else:
@@ -185,6 +181,10 @@ class CopyEngineCommunicator(Communicator):
         self._set_place(d.rank, d.world_size, peers=list(d.peers))
         self.device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(self.device)
+        self._mem_ops = None
+        if sync == "flags":
+            from gemcore.comms.ce_flags import StreamFlags
+            self._mem_ops = StreamFlags(bind=lambda: self.rt.setDevice(self.device.index))
         self.intra_node = self.num_nodes == 1
         self._capacity = 0
         self._window = 0

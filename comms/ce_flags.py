@@ -10,6 +10,8 @@ wrap these calls; they are called from ``libcuda`` with ctypes on the caller's C
 from __future__ import annotations
 
 import ctypes
+import threading
+from typing import Callable
 
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
 _WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: a memory fence before the write
@@ -28,9 +30,14 @@ def _symbol(lib, *names: str):
 
 class StreamFlags:
     """``write(stream, addr, value)`` and ``wait_geq(stream, addr, value)`` on raw CUDA streams
-    (``torch.cuda.Stream.cuda_stream``) and device addresses of 32-bit words."""
+    (``torch.cuda.Stream.cuda_stream``) and device addresses of 32-bit words.
 
-    def __init__(self) -> None:
+    :param bind: makes the device's primary context current on the calling thread (driver calls
+        need one; called once per thread, e.g. on autograd's backward thread).
+    """
+
+    def __init__(self, bind: Callable[[], None]) -> None:
+        self._bind, self._bound = bind, threading.local()
         try:
             self.lib = ctypes.CDLL("libcuda.so.1")
         except OSError as exc:
@@ -45,10 +52,17 @@ class StreamFlags:
             self.lib.cuGetErrorName(code, ctypes.byref(name))
             raise RuntimeError(f"backend 'ce': {what} failed with {(name.value or b'?').decode()} ({code})")
 
+    def _context(self) -> None:
+        if not getattr(self._bound, "done", False):
+            self._bind()
+            self._bound.done = True
+
     def write(self, stream: int, addr: int, value: int) -> None:
         """Queue ``*addr = value`` on ``stream`` (after the stream's earlier work)."""
+        self._context()
         self._check(self._write(stream, addr, value & 0xFFFFFFFF, _WRITE_DEFAULT), "cuStreamWriteValue32")
 
     def wait_geq(self, stream: int, addr: int, value: int) -> None:
         """Queue on ``stream``: wait until ``(int32)(*addr - value) >= 0``."""
+        self._context()
         self._check(self._wait(stream, addr, value & 0xFFFFFFFF, _WAIT_GEQ), "cuStreamWaitValue32")
