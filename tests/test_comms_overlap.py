@@ -150,11 +150,34 @@ def test_gpu_check_commands_parse(monkeypatch):
 
 
 def test_verdicts_compare_copy_engine_rows_with_the_goal():
+    def host(during: float, noise: float) -> overlap.TransferRow:
+        return overlap.TransferRow("host", during, overlap.slowdown_pct(660.0, during), 52.0, 0.99,
+                                   noise_pct=noise, repeats=5)
+
     rows = [overlap.TransferRow("none", 660.0, 0.0, 0.0, 0.0),
-            overlap.TransferRow("host", 656.0, overlap.slowdown_pct(660.0, 656.0), 52.0, 0.99),
+            host(659.0, 0.3),
             overlap.TransferRow("peer", float("nan"), float("nan"), float("nan"), 0.0, "skipped: needs 2 GPUs"),
             overlap.TransferRow("device", 600.0, overlap.slowdown_pct(660.0, 600.0), 800.0, 1.0)]
     lines = overlap.verdicts(rows)
-    assert len(lines) == 1 and "host" in lines[0] and "0.61%" in lines[0] and ": met" in lines[0]
-    rows[1] = overlap.TransferRow("host", 640.0, overlap.slowdown_pct(660.0, 640.0), 52.0, 0.99)
-    assert "NOT met" in overlap.verdicts(rows)[0]
+    assert len(lines) == 1 and "host" in lines[0] and "0.15%" in lines[0] and ": met;" in lines[0]
+    rows[1] = host(640.0, 0.3)
+    assert ": NOT met;" in overlap.verdicts(rows)[0]
+    rows[1] = host(700.0, 0.5)  # -6 %: a speed-up beyond the noise is suspect, not "met"
+    assert "no verdict" in overlap.verdicts(rows)[0] and "suspect" in overlap.verdicts(rows)[0]
+    rows[1] = host(656.0, 3.0)  # noise above the goal: nothing can be concluded
+    assert "no verdict" in overlap.verdicts(rows)[0]
+
+
+@pytest.mark.parametrize("slowdown,noise,want", [
+    (0.0, 0.2, "met"), (0.5, 0.4, "met"), (0.9, 0.4, "no verdict"), (2.0, 0.4, "NOT met"),
+    (-0.1, 0.2, "met"), (-6.0, 0.5, "no verdict"), (-6.0, 7.0, "no verdict"), (0.0, 1.0, "no verdict"),
+])
+def test_slowdown_verdict_needs_the_noise_below_the_goal(slowdown, noise, want):
+    assert overlap.slowdown_verdict(slowdown, noise, 1.0).startswith(want)
+
+
+def test_noise_is_the_widest_relative_range():
+    assert overlap.noise_pct([100.0, 101.0, 99.0], [50.0, 50.0]) == pytest.approx(2.0)
+    assert overlap.median_spread([3.0, 1.0, 2.0]) == (2.0, 1.0, 3.0)
+    with pytest.raises(ValueError):
+        overlap.median_spread([])

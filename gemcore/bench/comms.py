@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -32,22 +31,11 @@ from typing import Callable
 
 import torch
 
-from gemcore.bench.comms_overlap import GemmLoop, check_gemm_args, coverage, slowdown_pct
+from gemcore.bench.comms_common import GemmLoop, check_gemm_args, coverage, parse_bytes, slowdown_pct
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "int64": torch.int64, "uint8": torch.uint8}
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def parse_bytes(text: str, name: str = "size") -> int:
-    """``"1K"`` -> 1024, ``"64M"``, ``"1G"``, ``"4096"`` (binary units, like nccl-tests)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)I?B?\s*", str(text).upper())
-    if not m:
-        raise ValueError(f"{name}: cannot read {text!r} as bytes (e.g. 1K, 64M, 1G)")
-    return int(m.group(1)) * _UNITS[m.group(2)]
-
-
 def bus_factor(op: str, n: int) -> float:
     """nccl-tests' busbw / algbw for ``op`` on ``n`` ranks."""
     if op in ("all_gather", "reduce_scatter", "all_to_all"):
