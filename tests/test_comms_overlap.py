@@ -181,3 +181,49 @@ def test_noise_is_the_widest_relative_range():
     assert overlap.median_spread([3.0, 1.0, 2.0]) == (2.0, 1.0, 3.0)
     with pytest.raises(ValueError):
         overlap.median_spread([])
+
+
+# ---------------------------------------------------------------------- the SM-free profile's attribution
+def _trace(launches: list[tuple[str, str, int, int]], marks: list[tuple[str, int, int]]) -> dict:
+    """A chrome trace: ``marks`` (name, start, end) on thread 1; ``launches`` (runtime call, GPU
+    category, GPU name, start) on thread 1, each with its GPU activity."""
+    from gemcore.bench import comms_dist
+
+    events = [{"ph": "X", "cat": "user_annotation", "name": {"x": comms_dist.EXCHANGE, "r": comms_dist.REDUCE}[n],
+               "pid": 7, "tid": 1, "ts": a, "dur": b - a} for n, a, b in marks]
+    for i, (call, cat, name, ts) in enumerate(launches):
+        events.append({"ph": "X", "cat": "cuda_runtime", "name": call, "pid": 7, "tid": 1, "ts": ts, "dur": 1,
+                       "args": {"correlation": 100 + i}})
+        events.append({"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": 9, "ts": ts + 5, "dur": 3,
+                       "args": {"correlation": 100 + i}})
+    events.append({"ph": "X", "cat": "kernel", "name": "fill", "pid": 0, "tid": 9, "ts": 1, "dur": 1,
+                   "args": {"correlation": 999}})  # launched outside every mark
+    return {"traceEvents": events}
+
+
+def test_sm_free_attribution_and_verdict():
+    from gemcore.bench import comms_dist
+
+    launches = [("cudaMemcpyAsync", "gpu_memcpy", "Memcpy DtoD", 12), ("cudaMemcpyAsync", "gpu_memcpy", "Memcpy DtoD", 14),
+                ("cudaLaunchKernel", "kernel", "reduce_kernel", 32), ("cudaLaunchKernel", "kernel", "sum", 50)]
+    found = comms_dist.attribute(_trace(launches, [("x", 10, 20), ("r", 30, 40)]))
+    assert found[comms_dist.EXCHANGE] == {"gpu_memcpy": 2}
+    assert found[comms_dist.REDUCE] == {"kernel": 1}
+    assert found["window"] == {"gpu_memcpy": 2, "kernel": 3}
+    lines = comms_dist.verdict(found, reduce_kernels=1, what="all_gather")
+    assert lines[0].startswith("PASS") and lines[1].startswith("PASS")
+    assert comms_dist.verdict(found, reduce_kernels=2, what="x")[1].startswith("FAIL")
+    # a kernel launched inside an exchange fails the check and is named
+    launches.append(("cudaLaunchKernel", "kernel", "copy_kernel", 16))
+    lines = comms_dist.verdict(comms_dist.attribute(_trace(launches, [("x", 10, 20), ("r", 30, 40)])), 1, "y")
+    assert lines[0].startswith("FAIL") and "copy_kernel" in lines[0]
+    # no memcpy seen inside the exchanges: the attribution saw nothing, which is no pass
+    assert comms_dist.verdict(comms_dist.attribute(_trace([], [("x", 10, 20)])), 0, "z")[0].startswith("FAIL")
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--sm-free"], "--sm-free"), (["--anchor"], "--anchor"), (["--fsdp"], "--fsdp"),
+])
+def test_profile_and_anchor_flags_need_cuda_or_each_other(argv, words):
+    with pytest.raises(ValueError, match=words):
+        bench.run(_parse(["--backend", "single", "--device", "cpu", *argv]))
