@@ -329,6 +329,14 @@ class CopyEngineCommunicator(Communicator):
         self._counts["reduced_bytes"] += stage.numel() * stage.element_size()
 
     # ------------------------------------------------------------------ the copy-engine protocol
+    def _in_use(self, t) -> None:
+        """The caller's tensor ``t`` is read or written by work queued on the current stream (which
+        joins the pull streams): its memory is not reused before that work is done, even if the
+        caller frees it and it was allocated on another stream (memory outside torch's caching
+        allocator, such as window views, is left alone by ``record_stream``)."""
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            t.record_stream(self._current())
+
     def _use_ce(self, t: torch.Tensor) -> bool:
         return t.is_cuda and self.intra_node
 
@@ -357,6 +365,7 @@ class CopyEngineCommunicator(Communicator):
         cur = self._current()
         mine = self._slot_ptr(self._window, slot)
         self._before_write(k, slot, cur)
+        self._in_use(t)
         if src_ranks_stage and t.numel() and t.data_ptr() != mine:
             self._copy(mine, t.data_ptr(), t.numel() * t.element_size(), cur)
             self._counts["staged_bytes"] += t.numel() * t.element_size()
@@ -471,6 +480,7 @@ class CopyEngineCommunicator(Communicator):
         if not self._use_ce(t):
             out.copy_(self._all_gather_impl(t))
             return
+        self._in_use(out)
         nbytes = t.numel() * t.element_size()
         pulls = [(p, 0, out.data_ptr() + p * nbytes, nbytes) for p in range(self.world_size)]
         self._exchange(t, nbytes, pulls)  # this rank's own chunk is pulled from its own window
@@ -484,6 +494,7 @@ class CopyEngineCommunicator(Communicator):
         if not self._use_ce(t):
             out.copy_(self._via_host(t, lambda h: self.delegate._reduce_scatter_impl(h, op)))
             return
+        self._in_use(out)
         w = self.world_size
         flat = t.reshape(-1)
         bounds = [r * (flat.numel() // w) for r in range(w + 1)]

@@ -131,7 +131,7 @@ def test_gpu_check_commands_parse(monkeypatch):
     monkeypatch.setattr(conformance, "_run_backend", lambda backend, args, dtypes, options: seen.append(options) or 0)
     all_steps = gpu_check.steps(quick=False)
     assert sum(limit for *_, limit in all_steps) < 600  # the device machine's limit per command
-    assert [name for name, *_ in gpu_check.steps(quick=True)] == ["overlap", "bench-barrier", "bench-event"]
+    assert [name for name, *_ in gpu_check.steps(quick=True)] == ["overlap", "bench-flags", "bench-event"]
     for name, cmd, _ in all_steps:
         module = cmd[cmd.index("-m") + 1]
         argv = cmd[cmd.index("-m") + 2:]
@@ -146,7 +146,7 @@ def test_gpu_check_commands_parse(monkeypatch):
             p = argparse.ArgumentParser()
             overlap.add_arguments(p)
             assert overlap.parse_transfers(p.parse_args(argv).transfer) == list(overlap.TRANSFERS)
-    assert [o["sync"] for o in seen] == ["barrier", "event", "event", "barrier"]
+    assert [o["sync"] for o in seen] == ["flags", "event", "flags", "barrier"]
 
 
 def test_verdicts_compare_copy_engine_rows_with_the_goal():
