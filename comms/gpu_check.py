@@ -7,7 +7,7 @@ Steps (each a subprocess with its own time limit; a failing step is reported and
 
 1. ``overlap``: one process, ``python -m gemcore.bench.comms_overlap``: a bf16 GEMM loop alone and
    beside device->pinned-host copies (cross a copy engine), same-device copies and an SM copy
-   kernel (ANCHORS.md: about 0%, -9%, -9%).
+   kernel (measured earlier on one H200: about 0%, -9%, -9%).
 2. ``ce-flags`` / ``ce-event``: ``mpirun -n 2`` conformance of ``ce`` (delegate mpi), every op,
    64 MiB tensors, with GPU counters (no host barrier) and with IPC events (one host barrier).
 3. ``ce-hier``: ``mpirun -n 4`` on two simulated nodes of 2 (flags mode): hierarchical

@@ -42,7 +42,7 @@ def test_bad_flags_name_the_flag(argv, words):
 
 def test_gemm_arithmetic():
     assert overlap.gemm_flops(8192) == 2 * 8192 ** 3
-    # 40 GEMMs of 8192^3 in 66.2 ms is about 664 TFLOP/s (ANCHORS.md's bf16 GEMM figure)
+    # 40 GEMMs of 8192^3 in 66.2 ms is about 664 TFLOP/s (an H200's dense bf16 GEMM rate)
     assert overlap.tflops(40 * overlap.gemm_flops(8192), 0.0662) == pytest.approx(664.3, rel=1e-3)
     assert overlap.slowdown_pct(664.0, 602.0) == pytest.approx(9.34, abs=0.01)
     assert overlap.slowdown_pct(664.0, 666.0) < 0  # faster during: a negative slowdown, not clipped

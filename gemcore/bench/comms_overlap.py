@@ -14,8 +14,8 @@ on one stream while another stream keeps moving ``--size`` bytes at a time:
 The copy-engine claim of the ``ce`` backend rests on the first two rows: between GPUs its pulls
 are peer copies. On one GPU, its peer pulls between processes are same-device copies (``device``
 row), so a one-GPU ``mpirun`` overlap run shows time-slicing and SM sharing, not copy-engine
-behaviour (ANCHORS.md, "Copy engines and SM interference"). ``gem bench comms --overlap-gemm``
-uses :class:`GemmLoop` and :func:`coverage` from here for the multi-rank form.
+behaviour. ``gem bench comms --overlap-gemm`` is the multi-rank form (both use
+:mod:`gemcore.bench.comms_common`).
 
 Reported per transfer: GEMM TFLOP/s (analytic 2·n³ per GEMM over the loop's CUDA-event time),
 slowdown against ``none``, the transfer's GB/s (1e9 B), and ``cover``: the share of the GEMM
