@@ -217,8 +217,13 @@ def test_sm_free_attribution_and_verdict():
     launches.append(("cudaLaunchKernel", "kernel", "copy_kernel", 16))
     lines = comms_dist.verdict(comms_dist.attribute(_trace(launches, [("x", 10, 20), ("r", 30, 40)])), 1, "y")
     assert lines[0].startswith("FAIL") and "copy_kernel" in lines[0]
-    # no memcpy seen inside the exchanges: the attribution saw nothing, which is no pass
+    # no memcpy seen inside the exchanges: the attribution saw nothing, which is no pass ...
     assert comms_dist.verdict(comms_dist.attribute(_trace([], [("x", 10, 20)])), 0, "z")[0].startswith("FAIL")
+    # ... unless the window holds only ce work and its kernels are exactly the counted reductions
+    unlinked = comms_dist.attribute(_trace([("cudaMemcpyAsync", "gpu_memcpy", "Memcpy DtoD", 12)], [("r", 30, 40)]))
+    assert comms_dist.verdict(unlinked, 1, "u", only_ce=True)[0].startswith("PASS")  # the "fill" kernel
+    assert comms_dist.verdict(unlinked, 0, "u", only_ce=True)[0].startswith("FAIL")
+    assert comms_dist.verdict(unlinked, 1, "u", only_ce=False)[0].startswith("FAIL")
 
 
 @pytest.mark.parametrize("argv,words", [
