@@ -514,19 +514,25 @@ class CopyEngineCommunicator(Communicator):
     def _all_reduce_impl(self, t: torch.Tensor, op: str) -> torch.Tensor:
         if not self._use_ce(t):
             return self._via_host(t, lambda h: self.delegate._all_reduce_impl(h, op))
-        w, flat = self.world_size, t.reshape(-1)
-        out = torch.empty_like(flat)
+        out = torch.empty_like(t)
+        self._all_reduce_into_impl(out, t, op)
+        return out
+
+    def _all_reduce_into_impl(self, out: torch.Tensor, t: torch.Tensor, op: str) -> None:
+        """all_reduce of CUDA ``t`` written into ``out`` (same shape, contiguous; may be ``t``
+        itself: the input is staged in the window before any of ``out`` is written)."""
+        self._in_use(out)
+        w, flat, dst = self.world_size, t.reshape(-1), out.view(-1)
         if not flat.numel():
-            return out.view(t.shape)
+            return
         per = -(-flat.numel() // w)
         bounds = [min(r * per, flat.numel()) for r in range(w + 1)]
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
-        self._reduce_into(out[lo:hi], flat, bounds, op)
+        self._reduce_into(dst[lo:hi], flat, bounds, op)
         elem = flat.element_size()
-        pulls = [(p, 0, out.data_ptr() + bounds[p] * elem, (bounds[p + 1] - bounds[p]) * elem)
+        pulls = [(p, 0, dst.data_ptr() + bounds[p] * elem, (bounds[p + 1] - bounds[p]) * elem)
                  for p in range(w) if p != self.rank]  # this rank's chunk is in place already
-        self._exchange(out[lo:hi], per * elem, pulls)
-        return out.view(t.shape)
+        self._exchange(dst[lo:hi], per * elem, pulls)
 
     def _all_to_all_impl(self, t: torch.Tensor, in_splits: list[int], out_splits: list[int]) -> torch.Tensor:
         if self._spans_nodes(t):
@@ -536,20 +542,27 @@ class CopyEngineCommunicator(Communicator):
             return self._via_host(t, lambda h: self.delegate._all_to_all_impl(h, in_splits, out_splits))
         if not self._use_ce(t):
             return self.delegate._all_to_all_impl(t, in_splits, out_splits)
+        out = t.new_empty((sum(out_splits), *t.shape[1:]))
+        self._all_to_all_into_impl(out, t, in_splits, out_splits)
+        return out
+
+    def _all_to_all_into_impl(self, out: torch.Tensor, t: torch.Tensor, in_splits: list[int],
+                              out_splits: list[int]) -> None:
+        """all_to_all(-v) of CUDA ``t`` pulled straight into ``out`` (``(sum(out_splits), ...)``,
+        contiguous)."""
+        self._in_use(out)
         w = self.world_size
         matrix = self.delegate._all_gather_impl(torch.tensor(in_splits, dtype=torch.int64)).view(w, w).tolist()
         got = [matrix[p][self.rank] for p in range(w)]
         if got != list(out_splits):
             raise ValueError(f"[rank {self.rank}] out_splits={list(out_splits)} but the ranks send {got} rows here")
         row = t.element_size() * math.prod(t.shape[1:])
-        out = t.new_empty((sum(out_splits), *t.shape[1:]))
         pulls, dst = [], out.data_ptr()
         for p in range(w):
             offset = sum(matrix[p][: self.rank]) * row
             pulls.append((p, offset, dst, matrix[p][self.rank] * row))
             dst += matrix[p][self.rank] * row
         self._exchange(t, max(sum(r) for r in matrix) * row, pulls)
-        return out
 
     def _broadcast_impl(self, t: torch.Tensor, src: int) -> None:
         if self._spans_nodes(t):

@@ -275,7 +275,7 @@ def _span(t) -> tuple[int, int]:
 
 
 KINDS = ["all_gather", "broadcast", "all_to_all", "window_gather", "window_broadcast", "reduce_scatter",
-         "window_reduce_scatter", "all_reduce", "gather_into"]
+         "window_reduce_scatter", "all_reduce", "gather_into", "all_reduce_in_place", "all_to_all_into"]
 
 
 def schedule(world: int, seed: int, calls: int) -> list[tuple]:
@@ -319,6 +319,18 @@ def run_rank(c: SimCE, plan: list[tuple]) -> None:
             c.keep.append(t)
             c.user("writes input", t, True)
             out = c._all_reduce_impl(t, "avg")
+        elif kind == "all_reduce_in_place":
+            out = torch.empty(rows * 2 + 1)
+            c.keep.append(out)
+            c.user("writes input", out, True)
+            c._all_reduce_into_impl(out, out, "max")
+        elif kind == "all_to_all_into":
+            mine = splits[c.rank]
+            t = torch.empty(sum(mine), 2)
+            out = torch.empty(sum(splits[p][c.rank] for p in range(w)), 2)
+            c.keep += [t, out]
+            c.user("writes input", t, True)
+            c._all_to_all_into_impl(out, t, mine, [splits[p][c.rank] for p in range(w)])
         elif kind == "gather_into":
             t = torch.empty(rows, 2)
             out = torch.empty(w * rows, 2)
