@@ -9,8 +9,8 @@ and open each other's. Every collective on CUDA tensors runs as one or two *exch
    already is :meth:`window` memory: zero-copy), and the rank signals *ready*;
 2. one stream per peer waits for the peer's *ready* and *pulls* the peer's chunk out of the
    peer's window with ``cudaMemcpyAsync`` straight into the destination (the result tensor, or a
-   staging buffer that one reduction kernel on the caller's stream reads); the caller's stream
-   joins them and signals *done*;
+   staging buffer that one reduction kernel on the caller's stream reads); the rank's own chunk
+   is copied on the caller's stream, which then joins the peers' streams and signals *done*;
 3. before a slot is written again, the caller's stream waits for every peer's *done* of the call
    that last used it.
 
@@ -375,15 +375,18 @@ class CopyEngineCommunicator(Communicator):
             self._record(ready, cur)
             self._host_barrier()
         active = [pull for pull in pulls if pull[3]]
-        for peer, offset, dst, nbytes in active:
+        remote = [pull for pull in active if pull[0] != self.rank]
+        for peer, offset, dst, nbytes in remote:  # issued first, so they do not wait for the own copy
             stream = self._streams[peer]
             self._follow(stream, cur)  # the destination was allocated on cur; own staging copy
-            if not flags:
-                self._wait(stream, peer, ready)
-            elif peer != self.rank:
+            if flags:
                 self._wait_flag(stream, peer, "ready", k + 1)
+            else:
+                self._wait(stream, peer, ready)
             self._copy(dst, self._slot_ptr(self._peer_windows[peer], slot) + offset, nbytes, stream)
-        for peer in dict.fromkeys(p for p, *_ in active):
+        for _, offset, dst, nbytes in [pull for pull in active if pull[0] == self.rank]:
+            self._copy(dst, mine + offset, nbytes, cur)  # this rank's own chunk, on the caller's stream
+        for peer in dict.fromkeys(p for p, *_ in remote):
             self._follow(cur, self._streams[peer])
         if flags:
             self._write_flag(cur, "done", k + 1)
