@@ -86,3 +86,22 @@ def test_without_cuda_the_error_says_why():
         pytest.skip("CUDA is present")
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         CopyEngineCommunicator()
+
+
+def test_no_host_synchronisation_on_the_hot_path():
+    """The host waits for the GPU only where the window grows, at set-up and finalize, and in the
+    host-staged fallbacks; every collective path only enqueues."""
+    import ast
+    import inspect
+
+    from gemcore.comms import ce_backend
+
+    tree = ast.parse(inspect.getsource(ce_backend.CopyEngineCommunicator))
+    syncing = {"synchronize", "cpu", "item", "deviceSynchronize", "streamSynchronize"}
+    found = {}
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef):
+            calls = {n.func.attr for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+            if calls & syncing:
+                found[fn.name] = sorted(calls & syncing)
+    assert set(found) == {"_grow", "_open_flags", "_finalize_impl", "_via_host"}, found
