@@ -485,8 +485,10 @@ class CopyEngineCommunicator(Communicator):
             return
         self._in_use(out)
         nbytes = t.numel() * t.element_size()
-        pulls = [(p, 0, out.data_ptr() + p * nbytes, nbytes) for p in range(self.world_size)]
-        self._exchange(t, nbytes, pulls)  # this rank's own chunk is pulled from its own window
+        in_place = t.data_ptr() == out.data_ptr() + self.rank * nbytes  # t is this rank's chunk of out
+        pulls = [(p, 0, out.data_ptr() + p * nbytes, nbytes) for p in range(self.world_size)
+                 if not (in_place and p == self.rank)]
+        self._exchange(t, nbytes, pulls)
 
     def _reduce_scatter_impl(self, t: torch.Tensor, op: str) -> torch.Tensor:
         out = t.new_empty((t.shape[0] // self.world_size, *t.shape[1:]))

@@ -275,7 +275,8 @@ def _span(t) -> tuple[int, int]:
 
 
 KINDS = ["all_gather", "broadcast", "all_to_all", "window_gather", "window_broadcast", "reduce_scatter",
-         "window_reduce_scatter", "all_reduce", "gather_into", "all_reduce_in_place", "all_to_all_into"]
+         "window_reduce_scatter", "all_reduce", "gather_into", "all_reduce_in_place", "all_to_all_into",
+         "gather_in_place"]
 
 
 def schedule(world: int, seed: int, calls: int) -> list[tuple]:
@@ -331,6 +332,12 @@ def run_rank(c: SimCE, plan: list[tuple]) -> None:
             c.keep += [t, out]
             c.user("writes input", t, True)
             c._all_to_all_into_impl(out, t, mine, [splits[p][c.rank] for p in range(w)])
+        elif kind == "gather_in_place":  # the input is this rank's chunk of the output (FSDP2's layout)
+            out = torch.empty(w * (rows + 1), 2)
+            t = out[c.rank * (rows + 1):(c.rank + 1) * (rows + 1)]
+            c.keep.append(out)
+            c.user("writes input", t, True)
+            c._all_gather_into_impl(out, t)
         elif kind == "gather_into":
             t = torch.empty(rows, 2)
             out = torch.empty(w * rows, 2)
