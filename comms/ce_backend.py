@@ -215,6 +215,15 @@ class CopyEngineCommunicator(Communicator):
         return f"{super().describe()}, {path}, delegate {self.delegate.backend}"
 
     # ------------------------------------------------------------------ registration
+    def _ipc(self, call: str, *args):
+        """``self.rt.<call>(*args)``, a CUDA IPC call; its failure raised as one line saying why."""
+        try:
+            return getattr(self.rt, call)(*args)
+        except Exception as exc:  # noqa: BLE001 (CuPy's CUDARuntimeError and friends, re-raised)
+            raise RuntimeError(f"backend 'ce' needs CUDA IPC between the processes of a node: {call} failed "
+                               f"on rank {self.rank} ({exc}); CUDA IPC needs Linux, processes that can see "
+                               f"the same GPUs, and no MIG partitioning") from exc
+
     def _gather_bytes(self, data: bytes) -> list[bytes]:
         mine = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         rows = self.delegate._all_gather_impl(mine).view(self.world_size, len(data))
@@ -224,8 +233,8 @@ class CopyEngineCommunicator(Communicator):
         for name in [f"{kind}{slot}" for slot in range(self._slots) for kind in ("ready", "done")]:
             event = self.rt.eventCreateWithFlags(_EVENT_FLAGS)
             self._events[name] = event
-            handles = self._gather_bytes(self.rt.ipcGetEventHandle(event))
-            self._peer_events[name] = [event if r == self.rank else self.rt.ipcOpenEventHandle(h)
+            handles = self._gather_bytes(self._ipc("ipcGetEventHandle", event))
+            self._peer_events[name] = [event if r == self.rank else self._ipc("ipcOpenEventHandle", h)
                                        for r, h in enumerate(handles)]
 
     def _open_flags(self) -> None:
@@ -238,9 +247,9 @@ class CopyEngineCommunicator(Communicator):
         self._mem_ops.write(stream, probe, 1)
         self._mem_ops.wait_geq(stream, probe, 1)
         torch.cuda.synchronize(self.device)  # the zeroed page is visible before any peer waits on it
-        handles = self._gather_bytes(self.rt.ipcGetMemHandle(self._flags))
+        handles = self._gather_bytes(self._ipc("ipcGetMemHandle", self._flags))
         self._peer_flags = [self._flags if r == self.rank else
-                            self.rt.ipcOpenMemHandle(h, _IPC_LAZY_PEER_ACCESS) for r, h in enumerate(handles)]
+                            self._ipc("ipcOpenMemHandle", h, _IPC_LAZY_PEER_ACCESS) for r, h in enumerate(handles)]
 
     def _grow(self, nbytes: int) -> None:
         """Replace the window by one of at least ``nbytes`` (collective; every rank asks the same)."""
@@ -252,9 +261,9 @@ class CopyEngineCommunicator(Communicator):
         self._close_windows()
         self._window = self.rt.malloc(nbytes * self._slots)
         self._capacity = nbytes  # per slot
-        handles = self._gather_bytes(self.rt.ipcGetMemHandle(self._window))
+        handles = self._gather_bytes(self._ipc("ipcGetMemHandle", self._window))
         self._peer_windows = [self._window if r == self.rank else
-                              self.rt.ipcOpenMemHandle(h, _IPC_LAZY_PEER_ACCESS) for r, h in enumerate(handles)]
+                              self._ipc("ipcOpenMemHandle", h, _IPC_LAZY_PEER_ACCESS) for r, h in enumerate(handles)]
 
     def _close_windows(self) -> None:
         for r, ptr in enumerate(self._peer_windows):

@@ -105,3 +105,14 @@ def test_no_host_synchronisation_on_the_hot_path():
             if calls & syncing:
                 found[fn.name] = sorted(calls & syncing)
     assert set(found) == {"_grow", "_open_flags", "_finalize_impl", "_via_host"}, found
+
+
+def test_a_cuda_ipc_failure_says_why():
+    class Runtime:
+        def ipcGetMemHandle(self, ptr):  # noqa: N802 (CUDA's name)
+            raise OSError("cudaErrorNotSupported: operation not supported")
+
+    c = _NoGpuCE()
+    c.rt = Runtime()
+    with pytest.raises(RuntimeError, match=r"needs CUDA IPC .* ipcGetMemHandle failed on rank 0 .*not supported"):
+        c._ipc("ipcGetMemHandle", 1234)
