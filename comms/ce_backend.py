@@ -375,6 +375,10 @@ class CopyEngineCommunicator(Communicator):
         mine = self._slot_ptr(self._window, slot)
         self._before_write(k, slot, cur)
         self._in_use(t)
+        active = [pull for pull in pulls if pull[3]]
+        remote = [pull for pull in active if pull[0] != self.rank]
+        for peer in dict.fromkeys(p for p, *_ in remote):  # the destinations were allocated on cur;
+            self._follow(self._streams[peer], cur)  # following before the staging copy lets the pulls overlap it
         if src_ranks_stage and t.numel() and t.data_ptr() != mine:
             self._copy(mine, t.data_ptr(), t.numel() * t.element_size(), cur)
             self._counts["staged_bytes"] += t.numel() * t.element_size()
@@ -383,11 +387,8 @@ class CopyEngineCommunicator(Communicator):
         else:
             self._record(ready, cur)
             self._host_barrier()
-        active = [pull for pull in pulls if pull[3]]
-        remote = [pull for pull in active if pull[0] != self.rank]
         for peer, offset, dst, nbytes in remote:  # issued first, so they do not wait for the own copy
             stream = self._streams[peer]
-            self._follow(stream, cur)  # the destination was allocated on cur; own staging copy
             if flags:
                 self._wait_flag(stream, peer, "ready", k + 1)
             else:
