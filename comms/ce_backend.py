@@ -11,8 +11,9 @@ and open each other's. Every collective on CUDA tensors runs as one or two *exch
    peer's window with ``cudaMemcpyAsync`` straight into the destination (the result tensor, or a
    staging buffer that one reduction kernel on the caller's stream reads); the rank's own chunk
    is copied on the caller's stream, which then joins the peers' streams and signals *done*;
-3. before a slot is written again, the caller's stream waits for every peer's *done* of the call
-   that last used it.
+3. before a slot is written again, the caller's stream waits for every rank's *done* of the call
+   that last used it (this rank's own too: successive calls may run on different streams, as
+   FSDP2's all-gathers and reduce-scatters do).
 
 all_gather, all_to_all(-v) and broadcast are one exchange; reduce_scatter is one exchange into a
 staging buffer of ``world_size`` chunks and one reduction (``sum``/``avg``/``max``/``min``; 16-bit
@@ -32,7 +33,8 @@ How *ready* and *done* are signalled (``sync``):
 * ``"event"``: inter-process CUDA events. An IPC event wait sees the most recent record issued
   before it, so one host barrier per call orders each ``ready`` record before the peers' waits;
   two slots as above, ``done`` of call k - 2 waited on before writing.
-* ``"barrier"``: events and one slot; a second host barrier after ``done`` is recorded.
+* ``"barrier"``: events and one slot; a second host barrier after ``done`` is recorded, so the
+  next call's waits see this call's records.
 
 The argument for ``event``: ``ready[s]`` of call k is recorded before barrier k and waited on
 after it; its next record (call k + 2) comes after barrier k + 1, which the waiting peer enters
@@ -294,11 +296,6 @@ class CopyEngineCommunicator(Communicator):
     def _slot_ptr(self, base: int, slot: int) -> int:
         return base + slot * self._capacity
 
-    def _wait_peers(self, event: str, stream) -> None:
-        for peer in range(self.world_size):
-            if peer != self.rank:
-                self._wait(stream, peer, event)
-
     # ------------------------------------------------------------------ stream primitives
     # The protocol below is written with these primitives only, so that a simulated runtime (the
     # tests' happens-before checker) can run it on CPU.
@@ -350,13 +347,15 @@ class CopyEngineCommunicator(Communicator):
         return t.is_cuda and self.intra_node
 
     def _before_write(self, k: int, slot: int, stream) -> None:
-        """``stream``'s later writes of slot ``slot`` (call ``k``) wait for the peers' reads of it."""
-        if self.sync == "event":
-            self._wait_peers(f"done{slot}", stream)
-        elif self.sync == "flags" and k >= self._slots:
-            for peer in range(self.world_size):  # every peer finished call k - slots
-                if peer != self.rank:
-                    self._wait_flag(stream, peer, "done", k - self._slots + 1)
+        """``stream``'s later writes of slot ``slot`` (call ``k``) wait for every rank's reads of
+        it, this rank's own included: successive calls may be queued on different streams."""
+        if self.sync == "flags":
+            if k >= self._slots:  # every rank finished call k - slots
+                for rank in range(self.world_size):
+                    self._wait_flag(stream, rank, "done", k - self._slots + 1)
+        else:  # event, barrier: the most recent records are those of the slot's last call
+            for rank in range(self.world_size):
+                self._wait(stream, rank, f"done{slot}")
 
     def _exchange(self, t: torch.Tensor, window_bytes: int, pulls: list[tuple[int, int, int, int]],
                   src_ranks_stage: bool = True) -> None:
@@ -402,9 +401,8 @@ class CopyEngineCommunicator(Communicator):
             self._write_flag(cur, "done", k + 1)
         else:
             self._record(done, cur)
-        if self.sync == "barrier":
+        if self.sync == "barrier":  # every done record is issued before the next call waits on it
             self._host_barrier()
-            self._wait_peers(done, cur)
         self._counts["exchanges"] += 1
         self._counts["copies"] += len(active)
         self._counts["copied_bytes"] += sum(p[3] for p in active)

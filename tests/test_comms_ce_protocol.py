@@ -216,7 +216,9 @@ class SimCE(CopyEngineCommunicator):
         self._window = self.window_base(rank)
         self._peer_windows = [self.window_base(r) for r in range(sim.world)]
         self._streams = [Stream(f"r{rank}.pull{p}") for p in range(sim.world)]
-        self._cur = Stream(f"r{rank}.cur")
+        #: the caller's streams; each call runs on the one the plan names (FSDP2 alternates streams)
+        self._curs = [Stream(f"r{rank}.cur"), Stream(f"r{rank}.cur2")]
+        self._cur = self._curs[0]
         self.intra_node = True
         self.keep: list = []  # keep every host tensor alive: no address reuse between threads
 
@@ -279,22 +281,23 @@ KINDS = ["all_gather", "broadcast", "all_to_all", "window_gather", "window_broad
          "gather_in_place"]
 
 
-def schedule(world: int, seed: int, calls: int) -> list[tuple]:
-    """The same list of collectives for every rank."""
-    rng = random.Random(seed)
+def schedule(world: int, seed: int, calls: int, kinds=KINDS, streams: int = 1) -> list[tuple]:
+    """The same list of collectives for every rank, each with the caller's stream it runs on."""
+    rng, pick = random.Random(seed), random.Random(seed + 1000)
     plan = []
     for _ in range(calls):
-        kind = rng.choice(KINDS)
+        kind = rng.choice(kinds)
         rows = rng.randint(0, 6)
         src = rng.randrange(world)
         splits = [[rng.randint(0, 3) for _ in range(world)] for _ in range(world)]
-        plan.append((kind, rows, src, splits))
+        plan.append((kind, rows, src, splits, pick.randrange(streams)))
     return plan
 
 
 def run_rank(c: SimCE, plan: list[tuple]) -> None:
     w = c.world_size
-    for kind, rows, src, splits in plan:
+    for kind, rows, src, splits, stream in plan:
+        c._cur = c._curs[stream]
         if kind == "all_gather":
             t = torch.empty(rows, 4)
             c.keep.append(t)
@@ -358,9 +361,10 @@ def run_rank(c: SimCE, plan: list[tuple]) -> None:
         c.user("reads result", out, False)
 
 
-def simulate(world: int, seed: int, sync: str, calls: int = 14, cls=SimCE) -> list[str]:
+def simulate(world: int, seed: int, sync: str, calls: int = 14, cls=SimCE, kinds=KINDS,
+             streams: int = 1) -> list[str]:
     sim = Sim(world, seed)
-    plan = schedule(world, seed, calls)
+    plan = schedule(world, seed, calls, kinds, streams)
     ranks = [cls(sim, r, sync) for r in range(world)]
     errors: list[BaseException] = []
 
@@ -392,12 +396,45 @@ def test_protocol_has_no_race(sync, world, seed):
     assert not races, f"{len(races)} races, first: {races[:3]}"
 
 
+#: calls whose buffers belong to the call (no window tensor the user keeps reading): these may run
+#: on any of the caller's streams
+STREAM_KINDS = [k for k in KINDS if not k.startswith("window")]
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+@pytest.mark.parametrize("world,seed", [(2, 10), (3, 11), (4, 12)])
+def test_protocol_across_caller_streams(sync, world, seed):
+    """Successive calls on two different caller streams (as FSDP2 queues all-gathers and
+    reduce-scatters) are race-free too."""
+    races = simulate(world, seed, sync, calls=20, kinds=STREAM_KINDS, streams=2)
+    assert not races, f"{len(races)} races, first: {races[:3]}"
+
+
+class NoOwnDoneWait(SimCE):
+    """Broken: before rewriting a slot, waits for the peers' reads only, not for this rank's own
+    copy out of it (queued on another caller stream)."""
+
+    def _wait_flag(self, stream, peer: int, flag: str, value: int) -> None:
+        if not (flag == "done" and peer == self.rank):
+            super()._wait_flag(stream, peer, flag, value)
+
+    def _wait(self, stream, peer: int, event: str) -> None:
+        if not (event.startswith("done") and peer == self.rank):
+            super()._wait(stream, peer, event)
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+def test_the_check_catches_a_missing_own_wait_across_streams(sync):
+    assert any(simulate(3, seed, sync, calls=20, cls=NoOwnDoneWait, kinds=STREAM_KINDS, streams=2)
+               for seed in range(4)), sync
+
+
 class NoDoneWait(SimCE):
     """Broken: never waits for the peers' reads before rewriting the window."""
 
-    def _wait_peers(self, event: str, stream) -> None:
+    def _wait(self, stream, peer: int, event: str) -> None:
         if not event.startswith("done"):
-            super()._wait_peers(event, stream)
+            super()._wait(stream, peer, event)
 
     def _wait_flag(self, stream, peer: int, flag: str, value: int) -> None:
         if flag != "done":
@@ -443,7 +480,7 @@ class NoJoin(SimCE):
     """Broken: the caller's stream does not wait for the pull streams."""
 
     def _follow(self, stream, other) -> None:
-        if not stream.name.endswith(".cur"):
+        if stream not in self._curs:
             super()._follow(stream, other)
 
 
