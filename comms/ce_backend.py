@@ -23,13 +23,15 @@ SM work; :meth:`stats` counts its kernels and bytes.
 
 How *ready* and *done* are signalled (``sync``):
 
-* ``"flags"`` (default): each rank has two 32-bit counters in a small IPC-shared device page,
-  written by its streams with ``cuStreamWriteValue32`` (``ready = done = k + 1`` in call k) and
-  waited on by the peers' streams with ``cuStreamWaitValue32`` (``>=``). The window has two slots
-  (call k uses slot k % 2); before writing slot k % 2 the caller's stream waits for every peer's
-  ``done >= k - 1`` (the peer finished call k - 2). No host barrier at all: the host only
-  enqueues. Counters only grow, so a wait issued before the peer's write is simply satisfied
-  later; a peer ahead by one call cannot overwrite the slot being read (it waits on ``done``).
+* ``"flags"`` (default): each rank has 32-bit counters ``ready[s]`` and ``done[s]`` per slot in a
+  small IPC-shared device page, written by its streams with ``cuStreamWriteValue32``
+  (``ready[s] = done[s] = k + 1`` in call k, slot s = k % 2) and waited on by the peers' streams
+  with ``cuStreamWaitValue32`` (``>=``). Before writing slot s the caller's stream waits for every
+  rank's ``done[s] >= k - 1`` (call k - 2 finished). No host barrier at all: the host only
+  enqueues. A wait issued before the peer's write is simply satisfied later; a peer ahead by one
+  call cannot overwrite the slot being read (it waits on ``done``). The counters are per slot so
+  that each one's writes are ordered (call k + 2 writes after waiting for call k), even when
+  successive calls run on different streams.
 * ``"event"``: inter-process CUDA events. An IPC event wait sees the most recent record issued
   before it, so one host barrier per call orders each ``ready`` record before the peers' waits;
   two slots as above, ``done`` of call k - 2 waited on before writing.
@@ -77,8 +79,8 @@ _EVENT_FLAGS = 0x2 | 0x4  # cudaEventDisableTiming | cudaEventInterprocess
 _IPC_LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
 _MIN_WINDOW = 1 << 20
 _FLAG_PAGE = 4096
-#: byte offsets of this rank's counters in its flag page (one cache line apart); the probe word
-_FLAG_OFFSET = {"ready": 0, "done": 128, "probe": 256}
+#: byte offsets of this rank's counters in its flag page (one per slot, a cache line apart); the probe word
+_FLAG_OFFSET = {"ready0": 0, "ready1": 128, "done0": 256, "done1": 384, "probe": 512}
 SYNC_MODES = ("flags", "event", "barrier")
 #: 16-bit floats are reduced in float32 and rounded once
 _ACCUMULATE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
@@ -352,7 +354,7 @@ class CopyEngineCommunicator(Communicator):
         if self.sync == "flags":
             if k >= self._slots:  # every rank finished call k - slots
                 for rank in range(self.world_size):
-                    self._wait_flag(stream, rank, "done", k - self._slots + 1)
+                    self._wait_flag(stream, rank, f"done{slot}", k - self._slots + 1)
         else:  # event, barrier: the most recent records are those of the slot's last call
             for rank in range(self.world_size):
                 self._wait(stream, rank, f"done{slot}")
@@ -382,14 +384,14 @@ class CopyEngineCommunicator(Communicator):
             self._copy(mine, t.data_ptr(), t.numel() * t.element_size(), cur)
             self._counts["staged_bytes"] += t.numel() * t.element_size()
         if flags:
-            self._write_flag(cur, "ready", k + 1)
+            self._write_flag(cur, ready, k + 1)
         else:
             self._record(ready, cur)
             self._host_barrier()
         for peer, offset, dst, nbytes in remote:  # issued first, so they do not wait for the own copy
             stream = self._streams[peer]
             if flags:
-                self._wait_flag(stream, peer, "ready", k + 1)
+                self._wait_flag(stream, peer, ready, k + 1)
             else:
                 self._wait(stream, peer, ready)
             self._copy(dst, self._slot_ptr(self._peer_windows[peer], slot) + offset, nbytes, stream)
@@ -398,7 +400,7 @@ class CopyEngineCommunicator(Communicator):
         for peer in dict.fromkeys(p for p, *_ in remote):
             self._follow(cur, self._streams[peer])
         if flags:
-            self._write_flag(cur, "done", k + 1)
+            self._write_flag(cur, done, k + 1)
         else:
             self._record(done, cur)
         if self.sync == "barrier":  # every done record is issued before the next call waits on it

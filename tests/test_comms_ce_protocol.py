@@ -8,8 +8,9 @@ every GPU operation each rank issues, in the global order of issue, and builds t
 graph CUDA guarantees: operations of one stream in order; a stream wait on an (IPC) event follows
 the most recent record of that event issued before the wait (a wait on a never-recorded event
 orders nothing); a stream wait for a counter ``>= v`` follows the first write of a value ``>= v``
-to that counter, whenever it is issued (before or after the wait); host barriers order issue
-only, never execution. A counter wait that no write satisfies, or a cycle in the graph, is a
+to that counter, whenever it is issued (before or after the wait), and a counter's writes must
+themselves be ordered (else a later value could land first); host barriers order issue only,
+never execution. A counter wait that no write satisfies, or a cycle in the graph, is a
 deadlock. Two operations that touch overlapping bytes, at least one writing, must be ordered by
 that graph, or the check reports a race. The user's own writes of inputs and reads of results,
 and the reduction of reduce-scatter, are operations on the caller's stream. Random delays
@@ -137,6 +138,14 @@ class Sim:
         ancestors = self._ancestors()
         if ancestors is None:
             return ["deadlock: the happens-before graph has a cycle"]
+        # a counter's writes must land in the order of issue (each after the one before it), or a
+        # wait for >= v could be satisfied by a later value that lands early
+        unordered = [f"counter {rank}.{counter}: write {self.nodes[b]['what']} may land before "
+                     f"{self.nodes[a]['what']}"
+                     for (rank, counter), writes in self.flag_writes.items()
+                     for (_, a), (_, b) in zip(writes, writes[1:]) if not (ancestors[b] >> a) & 1]
+        if unordered:
+            return unordered
         touched = []  # (lo, hi, node, writes?)
         for i, node in enumerate(self.nodes):
             touched += [(lo, hi, i, False) for lo, hi in node["reads"]]
@@ -410,12 +419,28 @@ def test_protocol_across_caller_streams(sync, world, seed):
     assert not races, f"{len(races)} races, first: {races[:3]}"
 
 
+class OneCounter(SimCE):
+    """Broken (flags): one ready and one done counter for both slots; calls on different streams
+    may then land their writes out of order."""
+
+    def _write_flag(self, stream, flag: str, value: int) -> None:
+        super()._write_flag(stream, flag[:-1], value)
+
+    def _wait_flag(self, stream, peer: int, flag: str, value: int) -> None:
+        super()._wait_flag(stream, peer, flag[:-1], value)
+
+
+def test_the_check_catches_shared_counters_across_streams():
+    assert any(simulate(3, seed, "flags", calls=20, cls=OneCounter, kinds=STREAM_KINDS, streams=2)
+               for seed in range(3))
+
+
 class NoOwnDoneWait(SimCE):
     """Broken: before rewriting a slot, waits for the peers' reads only, not for this rank's own
     copy out of it (queued on another caller stream)."""
 
     def _wait_flag(self, stream, peer: int, flag: str, value: int) -> None:
-        if not (flag == "done" and peer == self.rank):
+        if not (flag.startswith("done") and peer == self.rank):
             super()._wait_flag(stream, peer, flag, value)
 
     def _wait(self, stream, peer: int, event: str) -> None:
@@ -437,7 +462,7 @@ class NoDoneWait(SimCE):
             super()._wait(stream, peer, event)
 
     def _wait_flag(self, stream, peer: int, flag: str, value: int) -> None:
-        if flag != "done":
+        if not flag.startswith("done"):
             super()._wait_flag(stream, peer, flag, value)
 
 
@@ -449,15 +474,15 @@ class NoReadyWait(SimCE):
             super()._wait(stream, peer, event)
 
     def _wait_flag(self, stream, peer: int, flag: str, value: int) -> None:
-        if flag != "ready":
+        if not flag.startswith("ready"):
             super()._wait_flag(stream, peer, flag, value)
 
 
-class DoneOffByOne(SimCE):
-    """Broken (flags): waits for the peers' reads of the call before the slot's last use."""
+class DoneOneUseEarly(SimCE):
+    """Broken (flags): waits for the reads of the slot's use before its last one."""
 
     def _wait_flag(self, stream, peer: int, flag: str, value: int) -> None:
-        super()._wait_flag(stream, peer, flag, value - 1 if flag == "done" else value)
+        super()._wait_flag(stream, peer, flag, value - self._slots if flag.startswith("done") else value)
 
 
 class ReadyTooEarly(SimCE):
@@ -465,7 +490,7 @@ class ReadyTooEarly(SimCE):
 
     def _copy(self, dst: int, src: int, nbytes: int, stream) -> None:
         if stream is self._cur:  # the staging copy: signal first, then copy
-            self._write_flag(stream, "ready", self._calls)
+            self._write_flag(stream, f"ready{(self._calls - 1) % self._slots}", self._calls)
         super()._copy(dst, src, nbytes, stream)
 
 
@@ -473,7 +498,7 @@ class WaitsForTheFuture(SimCE):
     """Broken (flags): waits for a ready value nobody writes (a hang the check must report)."""
 
     def _wait_flag(self, stream, peer: int, flag: str, value: int) -> None:
-        super()._wait_flag(stream, peer, flag, value + 100 if flag == "ready" else value)
+        super()._wait_flag(stream, peer, flag, value + 100 if flag.startswith("ready") else value)
 
 
 class NoJoin(SimCE):
@@ -518,7 +543,7 @@ def test_flags_with_one_slot_are_race_free():
         assert not simulate(3, seed, "flags", calls=20, cls=OneSlot)
 
 
-@pytest.mark.parametrize("broken", [DoneOffByOne, ReadyTooEarly])
+@pytest.mark.parametrize("broken", [DoneOneUseEarly, ReadyTooEarly])
 def test_the_check_catches_a_broken_flag_protocol(broken):
     assert any(simulate(3, seed, "flags", calls=20, cls=broken) for seed in range(3)), broken.__name__
 
