@@ -227,7 +227,7 @@ def test_sm_free_attribution_and_verdict():
 
 
 @pytest.mark.parametrize("argv,words", [
-    (["--sm-free"], "--sm-free"), (["--anchor"], "--anchor"), (["--fsdp"], "--fsdp"),
+    (["--sm-free"], "--sm-free"), (["--anchor"], "--anchor"), (["--fsdp"], "--fsdp"), (["--in-place"], "--in-place"),
 ])
 def test_profile_and_anchor_flags_need_cuda_or_each_other(argv, words):
     with pytest.raises(ValueError, match=words):

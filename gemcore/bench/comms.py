@@ -20,6 +20,7 @@ as training calls them; ``--api comm`` (default) calls the communicator. ``--anc
 process while the others wait, ``bus/d2d%`` = busbw / d2d, and for ``ce`` ``copies(GB/s)``: the
 bytes every rank's copy-engine pulls and staging copies moved, per GPU, over the GPU time (with
 several ranks on one GPU their copies share it, so busbw alone cannot reach the d2d figure).
+``--in-place`` (with ``--api dist``) gathers from this rank's chunk of the output, as FSDP2 does.
 ``--sm-free`` (ce) profiles the collectives instead of timing them (:mod:`gemcore.bench.comms_dist`).
 
 ``--overlap-gemm`` (CUDA) adds the SM-interference figure per size: a loop of bf16 GEMMs
@@ -115,7 +116,7 @@ def host_comm(comm):
 
 
 def make_case(comm, op: str, size_bytes: int, dtype: torch.dtype, device: torch.device,
-              api: str = "comm") -> Case | None:
+              api: str = "comm", in_place: bool = False) -> Case | None:
     """Buffers for ``op`` moving ``size_bytes`` (rounded down to whole elements per rank); None if
     the size holds less than one element per rank. ``api="dist"``: through torch.distributed."""
     n, elem = comm.world_size, torch.empty((), dtype=dtype).element_size()
@@ -125,7 +126,7 @@ def make_case(comm, op: str, size_bytes: int, dtype: torch.dtype, device: torch.
     if count < (n if op != "all_reduce" and op != "broadcast" else 1):
         return None
     if api == "dist":
-        return Case(op, count * elem, count, *make_dist_case(op, count, n, comm.rank, dtype, device))
+        return Case(op, count * elem, count, *make_dist_case(op, count, n, comm.rank, dtype, device, in_place))
     value = float(comm.rank + 1)
     if op == "all_gather":
         x = torch.full((count // n,), value, dtype=dtype, device=device)
@@ -240,7 +241,7 @@ def overlap_case(comm, case: Case, calls: int, gemm: GemmLoop | None, device: to
 
 def measure(comm, ops: list[str], byte_sizes: list[int], dtype_name: str, device: torch.device,
             warmup: int, iters: int, check: bool, overlap: tuple[int, int] | None = None,
-            api: str = "comm", anchor: bool = False) -> list[Row]:
+            api: str = "comm", anchor: bool = False, in_place: bool = False) -> list[Row]:
     """Rows for every op and size; ``overlap=(gemm_n, gemm_iters)`` adds the GEMM columns (CUDA),
     ``anchor`` the same-device copy columns (CUDA)."""
     rows = []
@@ -248,7 +249,7 @@ def measure(comm, ops: list[str], byte_sizes: list[int], dtype_name: str, device
     gpus = comm.num_nodes * min(comm.local_size, max(torch.cuda.device_count(), 1))
     for op in ops:
         for size in byte_sizes:
-            case = make_case(comm, op, size, DTYPES[dtype_name], device, api)
+            case = make_case(comm, op, size, DTYPES[dtype_name], device, api, in_place)
             if case is None:
                 continue
             if check and not case.check():
@@ -323,6 +324,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gemm-iters", type=int, default=40, help="--overlap-gemm: GEMMs per measured loop")
     p.add_argument("--api", default="comm", choices=["comm", "dist"],
                    help="dist: call torch.distributed (dist.all_gather_into_tensor, ...) on the gemcore process group")
+    p.add_argument("--in-place", action="store_true",
+                   help="--api dist: all_gather's input is this rank's chunk of the output (FSDP2's layout)")
     p.add_argument("--anchor", action="store_true",
                    help="also a same-device copy of each size in the same run (CUDA): d2d GB/s and busbw / d2d")
     p.add_argument("--sm-free", action="store_true",
@@ -353,6 +356,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} needs a CUDA GPU (--device cuda or auto with CUDA present)")
     if getattr(args, "fsdp", False) and not sm_free:
         raise ValueError("--fsdp goes with --sm-free")
+    if getattr(args, "in_place", False) and api != "dist":
+        raise ValueError("--in-place goes with --api dist")
     options = dict(kv.split("=", 1) for kv in args.option)
     from gemcore import comms
 
@@ -374,12 +379,13 @@ def run(args: argparse.Namespace) -> int:
             print("\n".join(f"[rank {comm.rank}] {line}" for line in lines), flush=True)
             return 1 if any(line.startswith("FAIL") for line in lines) else 0
         rows = measure(comm, ops, byte_sizes, args.dtype, device, args.warmup, args.iters, args.check, overlap,
-                       api, anchor)
+                       api, anchor, getattr(args, "in_place", False))
         if comm.rank == 0:
             if args.json:
                 print(json.dumps([asdict(r) for r in rows], indent=1))
             else:
-                print(f"# gem bench comms: {comm.describe()}, device {device}, api {api}, {args.iters} iters "
+                where = ", all_gather in place" if getattr(args, "in_place", False) else ""
+                print(f"# gem bench comms: {comm.describe()}, device {device}, api {api}{where}, {args.iters} iters "
                       f"after {args.warmup} warm-up, time = slowest rank's mean")
                 print(format_table(rows))
             sys.stdout.flush()

@@ -26,9 +26,10 @@ EXCHANGE, REDUCE = "gemcore_ce.exchange", "gemcore_ce.reduce"
 _GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def make_dist_case(op: str, count: int, n: int, rank: int, dtype: torch.dtype,
-                   device: torch.device) -> tuple[Callable[[], object], Callable[[], bool]]:
-    """(call, check) of ``op`` on ``count`` elements of the full buffer through torch.distributed."""
+def make_dist_case(op: str, count: int, n: int, rank: int, dtype: torch.dtype, device: torch.device,
+                   in_place: bool = False) -> tuple[Callable[[], object], Callable[[], bool]]:
+    """(call, check) of ``op`` on ``count`` elements of the full buffer through torch.distributed;
+    ``in_place``: all_gather's input is this rank's chunk of its output (FSDP2's layout)."""
     import torch.distributed as dist
 
     # torch >= 2.13 renamed the single-tensor collectives; older releases only have the old names
@@ -38,8 +39,10 @@ def make_dist_case(op: str, count: int, n: int, rank: int, dtype: torch.dtype,
     ranks = torch.arange(1, n + 1, dtype=dtype, device=device)
     total = n * (n + 1) // 2
     if op == "all_gather":
-        x = torch.full((count // n,), value, dtype=dtype, device=device)
         out = torch.empty(count, dtype=dtype, device=device)
+        x = out.narrow(0, rank * (count // n), count // n) if in_place else torch.empty(count // n, dtype=dtype,
+                                                                                      device=device)
+        x.fill_(value)
         call = lambda: gather(out, x)  # noqa: E731
         check = lambda: call() or bool((out[:: max(1, count // n)] == ranks).all())  # noqa: E731
     elif op == "reduce_scatter":
