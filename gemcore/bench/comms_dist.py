@@ -104,16 +104,21 @@ def attribute(trace: dict) -> dict[str, collections.Counter]:
     """GPU activities of a chrome trace (``torch.profiler`` export) by the mark they were launched
     in: ``{mark: Counter({"kernel": n, "gpu_memcpy": m, ...}), ..., "kernel names": Counter}``,
     plus ``"window"``: every GPU activity in the trace. A launch belongs to the innermost mark on
-    the same thread whose interval holds the launch's start."""
+    the same thread whose interval holds the launch's start (on any thread of the process when
+    none of its own does)."""
     events = trace.get("traceEvents", [])
     marks = collections.defaultdict(list)  # (pid, tid) -> [(start, end, name)]
     for e in events:
         if e.get("cat") == "user_annotation" and e.get("name") in (EXCHANGE, REDUCE) and e.get("ph") == "X":
             marks[(e.get("pid"), e.get("tid"))].append((e["ts"], e["ts"] + e.get("dur", 0), e["name"]))
+    by_pid = collections.defaultdict(list)  # the same marks by process (if threads are named differently)
+    for (pid, _), spans in marks.items():
+        by_pid[pid] += spans
     owner = {}  # correlation id -> mark
     for e in events:
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
             inside = [m for m in marks.get((e.get("pid"), e.get("tid")), []) if m[0] <= e["ts"] <= m[1]]
+            inside = inside or [m for m in by_pid.get(e.get("pid"), []) if m[0] <= e["ts"] <= m[1]]
             if inside:
                 owner[e["args"]["correlation"]] = min(inside, key=lambda m: m[1] - m[0])[2]
     out = {EXCHANGE: collections.Counter(), REDUCE: collections.Counter(), "window": collections.Counter()}
