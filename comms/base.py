@@ -230,6 +230,35 @@ class Communicator(abc.ABC):
             t.copy_(buf)
         return wait
 
+    def all_reduce_into(self, out: torch.Tensor, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """:meth:`all_reduce` written into ``out`` (``t``'s shape, contiguous; may be ``t`` itself
+        for an in-place reduction); returns ``out``."""
+        _need_tensor(t, "t")
+        _need_op(op, t)
+        _need_out(out, t, tuple(t.shape))
+        self._agree("all_reduce", t, REDUCE_OPS.index(op))
+        self._all_reduce_into_impl(out, t.contiguous(), op)
+        return out
+
+    def all_to_all_into(self, out: torch.Tensor, t: torch.Tensor, in_splits: Sequence[int] | None = None,
+                        out_splits: Sequence[int] | None = None) -> torch.Tensor:
+        """:meth:`all_to_all` written into ``out`` (``(sum(out_splits), ...)``, contiguous)."""
+        _need_tensor(t, "t", min_dim=1)
+        w = self.world_size
+        in_splits = _send_splits(t, in_splits, w)
+        if out_splits is not None:
+            out_splits = _need_splits(out_splits, "out_splits", w)
+        self._agree("all_to_all", t)
+        if out_splits is None or self.check:
+            told = self._exchange_splits(in_splits)
+            if out_splits is not None and told != out_splits:
+                raise MismatchError(f"[rank {self.rank}] out_splits={out_splits} but the ranks send "
+                                    f"{told} rows here")
+            out_splits = told
+        _need_out(out, t, (sum(out_splits), *t.shape[1:]))
+        self._all_to_all_into_impl(out, t.contiguous(), in_splits, out_splits)
+        return out
+
     def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
         """:meth:`isend` and wait for it."""
         self.isend(t, dst, tag)()
@@ -353,6 +382,13 @@ class Communicator(abc.ABC):
 
     def _reduce_scatter_into_impl(self, out: torch.Tensor, t: torch.Tensor, op: str) -> None:
         out.copy_(self._reduce_scatter_impl(t, op))
+
+    def _all_reduce_into_impl(self, out: torch.Tensor, t: torch.Tensor, op: str) -> None:
+        out.copy_(self._all_reduce_impl(t, op))
+
+    def _all_to_all_into_impl(self, out: torch.Tensor, t: torch.Tensor, in_splits: list[int],
+                              out_splits: list[int]) -> None:
+        out.copy_(self._all_to_all_impl(t, in_splits, out_splits))
 
     def _isend_impl(self, t: torch.Tensor, dst: int, tag: int) -> Callable[[], None]:
         raise NotImplementedError(f"backend {self.backend!r} has no point-to-point send")

@@ -1,47 +1,67 @@
 """Backend ``ce``: copy-engine collectives over CUDA IPC (an emulation of NCCLX's SM-free path).
 
 Each rank owns one registered buffer, its *window* (``cudaMalloc``, reused and grown collectively
-when a call needs more), and inter-process events ``ready`` and ``done``. At set-up the ranks
-exchange the windows' and events' IPC handles through the *delegate* backend (``mpi`` or
-``torch``) and open each other's. all_gather, all_to_all(-v) and broadcast then run as:
+when a call needs more), split in *slots*. At set-up the ranks exchange the IPC handles of the
+windows and of the synchronisation objects through the *delegate* backend (``mpi`` or ``gloo``)
+and open each other's. Every collective on CUDA tensors runs as one or two *exchanges*:
 
-1. the rank's input is copied into its window on the caller's stream (skipped when the input
-   already is :meth:`window` memory: zero-copy) and ``ready`` is recorded;
-2. host barrier (so every ``ready`` record is issued before anyone waits on it);
-3. one stream per peer waits on the peer's ``ready`` and *pulls* the peer's chunk out of the
-   peer's window with ``cudaMemcpyAsync`` into the result; the caller's stream joins them and
-   records ``done``;
-4. host barrier, then the caller's stream waits on every peer's ``done`` (nobody reads this
-   rank's window any more, so the input and window may be reused).
+1. the rank's input is copied into its window slot on the caller's stream (skipped when the input
+   already is :meth:`window` memory: zero-copy), and the rank signals *ready*;
+2. one stream per peer waits for the peer's *ready* and *pulls* the peer's chunk out of the
+   peer's window with ``cudaMemcpyAsync`` straight into the destination (the result tensor, or a
+   staging buffer that one reduction kernel on the caller's stream reads); the rank's own chunk
+   is copied on the caller's stream, which then joins the peers' streams and signals *done*;
+3. before a slot is written again, the caller's stream waits for every rank's *done* of the call
+   that last used it (this rank's own too: successive calls may run on different streams, as
+   FSDP2's all-gathers and reduce-scatters do).
 
-That is ``sync="barrier"``: two host barriers per call. ``sync="event"`` needs one: the window
-and the events come in two *slots* used by alternate calls (call k uses slot k % 2), and step 4
-becomes, at the start of call k, "the caller's stream waits on every peer's ``done`` of this slot"
-(recorded in call k-2). Why that is enough, with an IPC event wait seeing the most recent record
-issued before it:
+all_gather, all_to_all(-v) and broadcast are one exchange; reduce_scatter is one exchange into a
+staging buffer of ``world_size`` chunks and one reduction (``sum``/``avg``/``max``/``min``; 16-bit
+floats accumulate in float32 and round once, as NCCL does); all_reduce is a reduce_scatter of
+chunks of ``ceil(n / world_size)`` elements and an all_gather of them. The reduction is the only
+SM work; :meth:`stats` counts its kernels and bytes.
 
-* ``ready[s]`` of call k is recorded before barrier k and waited on after it; its next record
-  (call k+2) comes after barrier k+1, which the waiting peer enters only after its wait.
-* ``done[s]`` of call k-2 was recorded before barrier k-1 (every rank records it before leaving
-  call k-2) and is waited on in call k before barrier k; its next record (call k) comes after
-  barrier k, which the waiting rank has not entered yet.
-* nobody writes slot s of call k before every peer finished reading slot s of call k-2; slot
-  1-s (call k-1) may still be read while call k runs, and nobody writes it during call k.
+How *ready* and *done* are signalled (``sync``):
+
+* ``"flags"`` (default): each rank has 32-bit counters ``ready[s]`` and ``done[s]`` per slot in a
+  small IPC-shared device page, written by its streams with ``cuStreamWriteValue32``
+  (``ready[s] = done[s] = k + 1`` in call k, slot s = k % 2) and waited on by the peers' streams
+  with ``cuStreamWaitValue32`` (``>=``). Before writing slot s the caller's stream waits for every
+  rank's ``done[s] >= k - 1`` (call k - 2 finished). No host barrier at all: the host only
+  enqueues. A wait issued before the peer's write is simply satisfied later; a peer ahead by one
+  call cannot overwrite the slot being read (it waits on ``done``). The counters are per slot so
+  that each one's writes are ordered (call k + 2 writes after waiting for call k), even when
+  successive calls run on different streams.
+* ``"event"``: inter-process CUDA events. An IPC event wait sees the most recent record issued
+  before it, so one host barrier per call orders each ``ready`` record before the peers' waits;
+  two slots as above, ``done`` of call k - 2 waited on before writing.
+* ``"barrier"``: events and one slot; a second host barrier after ``done`` is recorded, so the
+  next call's waits see this call's records.
+
+The argument for ``event``: ``ready[s]`` of call k is recorded before barrier k and waited on
+after it; its next record (call k + 2) comes after barrier k + 1, which the waiting peer enters
+only after its wait. ``done[s]`` of call k - 2 was recorded before barrier k - 1 and is waited on
+in call k before barrier k; its next record (call k) comes after barrier k.
 
 A tensor from :meth:`window` lives in the slot of the next call, and ``window()`` makes the
-caller's stream wait for the peers' last reads of that slot, so filling it is safe; with
-``sync="event"``, fill a fresh ``window()`` tensor for each call (one kept from an earlier call
-still works, through a staging copy, but may be rewritten while a peer reads it).
+caller's stream wait for the peers' last reads of that slot, so filling it is safe; with two slots,
+fill a fresh ``window()`` tensor for each call (one kept from an earlier call still works, through
+a staging copy, but may be rewritten while a peer reads it).
 
-No kernel moves data: the copies are ``cudaMemcpyAsync`` calls, which cross a copy engine
-between GPUs (NVLink/PCIe peer copies). Two ranks sharing one GPU also work (IPC handles open
-between processes of one device), but a same-device copy may run on SMs, so that case proves
-correctness, not SM-freedom. Reductions (all_reduce, reduce_scatter) and CPU tensors go to the
-delegate backend. A group spanning several nodes composes its CUDA all_gather, all_to_all(-v)
-and broadcast of an intra-node copy-engine step and an inter-node delegate step
-(comms/hierarchy.py): broadcast for any node sizes, all_gather and all_to_all when the nodes hold
-equal numbers of ranks (all_to_all: at least two each); otherwise they go to the delegate whole.
-The host is never blocked on the GPU except by the barriers' host-side handshakes.
+No kernel moves data: the copies are ``cudaMemcpyAsync`` calls, which cross a copy engine between
+GPUs (NVLink/PCIe peer copies). Two or more ranks sharing one GPU also work (IPC handles open
+between processes of one device; NCCL refuses that case); a same-device copy may run on SMs, so
+that case proves correctness, not SM-freedom. The host never waits for the GPU except when the
+window grows and at finalize. Collectives return as soon as they are queued on the caller's
+current stream.
+
+The public collectives take CUDA tensors only (``ValueError`` otherwise). CPU tensors reach the
+backend hooks only for the base class's host handshakes (signatures, split counts), which go to
+the delegate. A group spanning several nodes composes its all_gather, all_to_all(-v) and
+broadcast of an intra-node copy-engine step and an inter-node delegate step (comms/hierarchy.py):
+broadcast for any node sizes, all_gather and all_to_all when the nodes hold equal numbers of
+ranks (all_to_all: at least two each); the rest, and reductions across nodes, go through the
+delegate staged in host memory. send/recv go through the delegate staged in host memory.
 """
 from __future__ import annotations
 
@@ -58,7 +78,12 @@ _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault (unified addressing decides the directi
 _EVENT_FLAGS = 0x2 | 0x4  # cudaEventDisableTiming | cudaEventInterprocess
 _IPC_LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
 _MIN_WINDOW = 1 << 20
-SYNC_MODES = ("barrier", "event")
+_FLAG_PAGE = 4096
+#: byte offsets of this rank's counters in its flag page (one per slot, a cache line apart); the probe word
+_FLAG_OFFSET = {"ready0": 0, "ready1": 128, "done0": 256, "done1": 384, "probe": 512}
+SYNC_MODES = ("flags", "event", "barrier")
+#: 16-bit floats are reduced in float32 and rounded once
+_ACCUMULATE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
 
 def import_cupy():
@@ -101,6 +126,26 @@ def make_delegate(name: str, timeout_s: float | None) -> Communicator:
     return BUILTIN_BACKENDS[name](timeout_s=timeout_s, check=False)
 
 
+def reduce_chunks(stage: torch.Tensor, out: torch.Tensor, op: str) -> int:
+    """Reduce ``stage`` ``(w, m, ...)`` over dim 0 into ``out`` ``(m, ...)``; returns the kernels
+    launched. ``avg`` is the sum divided by ``w``; float16/bfloat16 accumulate in float32 and round
+    once; integers wrap in their own type."""
+    w = stage.shape[0]
+    if op in ("max", "min"):
+        (torch.amax if op == "max" else torch.amin)(stage, 0, out=out)
+        return 1
+    acc = _ACCUMULATE.get(stage.dtype)
+    if op == "sum":
+        torch.sum(stage, 0, dtype=stage.dtype if acc is None else None, out=out)
+        return 1
+    if acc is None:  # avg of float32 / float64
+        torch.sum(stage, 0, out=out)
+        out.div_(w)
+    else:
+        torch.div(torch.sum(stage, 0, dtype=acc), w, out=out)
+    return 2
+
+
 class _CudaArray:
     """A bare ``__cuda_array_interface__`` so torch can view raw device memory (uint8)."""
 
@@ -110,22 +155,26 @@ class _CudaArray:
 
 
 class CopyEngineCommunicator(Communicator):
-    """SM-free all_gather / all_to_all / broadcast among the ranks of one node; the rest delegated."""
+    """Collectives of CUDA tensors among the ranks of one node moved by copy engines (CUDA IPC);
+    reductions by one local kernel; host handshakes and inter-node steps delegated."""
 
     backend = "ce"
 
     def __init__(self, *, timeout_s: float | None = DEFAULT_TIMEOUT_S, check: bool = True,
                  delegate: str | Communicator | None = None, window_bytes: int | str = 64 << 20,
-                 sync: str = "barrier") -> None:
+                 sync: str = "flags") -> None:
         super().__init__(timeout_s=timeout_s, check=check)
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be one of {', '.join(map(repr, SYNC_MODES))}, got {sync!r}")
-        #: "barrier": two host barriers per call; "event": one, with two alternating window slots
+        #: "flags": GPU counters, no host barrier; "event": IPC events, one; "barrier": two
         self.sync = sync
-        self._slots = 2 if sync == "event" else 1
+        self._slots = 1 if sync == "barrier" else 2
         self._calls = 0
+        self._counts = {"exchanges": 0, "copies": 0, "copied_bytes": 0, "staged_bytes": 0,
+                        "reduce_kernels": 0, "reduced_bytes": 0, "host_staged_calls": 0}
         if not torch.cuda.is_available():
-            raise RuntimeError("backend 'ce' needs a CUDA GPU (copy-engine collectives over CUDA IPC)")
+            raise RuntimeError("backend 'ce' needs a CUDA GPU (copy-engine collectives over CUDA IPC); "
+                               "torch.cuda.is_available() is False")
         self.cupy = import_cupy()
         self.rt = self.cupy.cuda.runtime
         if isinstance(delegate, Communicator):
@@ -136,27 +185,49 @@ class CopyEngineCommunicator(Communicator):
         self._set_place(d.rank, d.world_size, peers=list(d.peers))
         self.device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(self.device)
+        self._mem_ops = None
+        if sync == "flags":
+            from gemcore.comms.ce_flags import StreamFlags
+            self._mem_ops = StreamFlags(bind=lambda: self.rt.setDevice(self.device.index))
         self.intra_node = self.num_nodes == 1
         self._capacity = 0
         self._window = 0
         self._peer_windows: list[int] = []
         self._events: dict[str, int] = {}
         self._peer_events: dict[str, list[int]] = {}
+        self._flags = 0
+        self._peer_flags: list[int] = []
         self._streams: list[torch.cuda.Stream] = []
         #: several nodes: intra-node ce and inter-node delegate communicators, made on first use
         self._hier: Hierarchy | None = None
-        if self.intra_node and self.world_size > 1:
+        if self.intra_node:
             with self.cupy.cuda.Device(self.device.index):
-                self._open_events()
+                if sync == "flags":
+                    self._open_flags()
+                else:
+                    self._open_events()
                 self._grow(max(_MIN_WINDOW, int(window_bytes)))
                 self._streams = [torch.cuda.Stream(self.device) for _ in range(self.world_size)]
 
     def describe(self) -> str:
-        path = (f"copy engine, sync {self.sync}" if self.intra_node else
-                "several nodes: hierarchical (delegate across nodes, copy engine within)")
+        if self.intra_node:
+            path = (f"copy engine (sync {self.sync}); reduce_scatter and all_reduce: copy-engine pulls "
+                    f"+ one local reduction kernel; send/recv staged through the delegate")
+        else:
+            path = ("several nodes: all_gather/all_to_all/broadcast hierarchical (delegate across nodes, "
+                    "copy engine within), reductions and send/recv staged through the delegate")
         return f"{super().describe()}, {path}, delegate {self.delegate.backend}"
 
     # ------------------------------------------------------------------ registration
+    def _ipc(self, call: str, *args):
+        """``self.rt.<call>(*args)``, a CUDA IPC call; its failure raised as one line saying why."""
+        try:
+            return getattr(self.rt, call)(*args)
+        except Exception as exc:  # noqa: BLE001 (CuPy's CUDARuntimeError and friends, re-raised)
+            raise RuntimeError(f"backend 'ce' needs CUDA IPC between the processes of a node: {call} failed "
+                               f"on rank {self.rank} ({exc}); CUDA IPC needs Linux, processes that can see "
+                               f"the same GPUs, and no MIG partitioning") from exc
+
     def _gather_bytes(self, data: bytes) -> list[bytes]:
         mine = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         rows = self.delegate._all_gather_impl(mine).view(self.world_size, len(data))
@@ -166,9 +237,23 @@ class CopyEngineCommunicator(Communicator):
         for name in [f"{kind}{slot}" for slot in range(self._slots) for kind in ("ready", "done")]:
             event = self.rt.eventCreateWithFlags(_EVENT_FLAGS)
             self._events[name] = event
-            handles = self._gather_bytes(self.rt.ipcGetEventHandle(event))
-            self._peer_events[name] = [event if r == self.rank else self.rt.ipcOpenEventHandle(h)
+            handles = self._gather_bytes(self._ipc("ipcGetEventHandle", event))
+            self._peer_events[name] = [event if r == self.rank else self._ipc("ipcOpenEventHandle", h)
                                        for r, h in enumerate(handles)]
+
+    def _open_flags(self) -> None:
+        """This rank's zeroed counter page, its peers' pages opened, and a probe of the driver's
+        stream memory operations (a clear error now rather than a hang later)."""
+        self._flags = self.rt.malloc(_FLAG_PAGE)
+        self.rt.memset(self._flags, 0, _FLAG_PAGE)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        probe = self._flags + _FLAG_OFFSET["probe"]
+        self._mem_ops.write(stream, probe, 1)
+        self._mem_ops.wait_geq(stream, probe, 1)
+        torch.cuda.synchronize(self.device)  # the zeroed page is visible before any peer waits on it
+        handles = self._gather_bytes(self._ipc("ipcGetMemHandle", self._flags))
+        self._peer_flags = [self._flags if r == self.rank else
+                            self._ipc("ipcOpenMemHandle", h, _IPC_LAZY_PEER_ACCESS) for r, h in enumerate(handles)]
 
     def _grow(self, nbytes: int) -> None:
         """Replace the window by one of at least ``nbytes`` (collective; every rank asks the same)."""
@@ -180,9 +265,9 @@ class CopyEngineCommunicator(Communicator):
         self._close_windows()
         self._window = self.rt.malloc(nbytes * self._slots)
         self._capacity = nbytes  # per slot
-        handles = self._gather_bytes(self.rt.ipcGetMemHandle(self._window))
+        handles = self._gather_bytes(self._ipc("ipcGetMemHandle", self._window))
         self._peer_windows = [self._window if r == self.rank else
-                              self.rt.ipcOpenMemHandle(h, _IPC_LAZY_PEER_ACCESS) for r, h in enumerate(handles)]
+                              self._ipc("ipcOpenMemHandle", h, _IPC_LAZY_PEER_ACCESS) for r, h in enumerate(handles)]
 
     def _close_windows(self) -> None:
         for r, ptr in enumerate(self._peer_windows):
@@ -195,16 +280,15 @@ class CopyEngineCommunicator(Communicator):
     def window(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """A tensor in this rank's registered window, in the slot the next ce collective uses
         (collective: every rank calls it with the same size). Passing it to the next all_gather /
-        all_to_all / broadcast skips the staging copy. Its contents stay valid until the next ce
-        collective of this communicator; take a fresh one for each call."""
+        all_to_all / broadcast / reduce_scatter skips the staging copy. Its contents stay valid
+        until the next ce collective of this communicator; take a fresh one for each call."""
         numel = math.prod(shape)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        if not (self.intra_node and self.world_size > 1):
+        if not self.intra_node:
             return torch.empty(shape, dtype=dtype, device=self.device)
         self._grow(nbytes)
         slot = self._calls % self._slots
-        if self.sync == "event":  # the caller's writes wait for the peers' reads of this slot
-            self._wait_peers(f"done{slot}", self._current())
+        self._before_write(self._calls, slot, self._current())  # wait for the peers' reads of this slot
         return self._window_tensor(self._slot_ptr(self._window, slot), nbytes, shape, dtype)
 
     def _window_tensor(self, ptr: int, nbytes: int, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -214,14 +298,9 @@ class CopyEngineCommunicator(Communicator):
     def _slot_ptr(self, base: int, slot: int) -> int:
         return base + slot * self._capacity
 
-    def _wait_peers(self, event: str, stream) -> None:
-        for peer in range(self.world_size):
-            if peer != self.rank:
-                self._wait(stream, peer, event)
-
     # ------------------------------------------------------------------ stream primitives
-    # The protocol below is written with these six only, so that a simulated runtime (the tests'
-    # happens-before checker) can run it on CPU.
+    # The protocol below is written with these primitives only, so that a simulated runtime (the
+    # tests' happens-before checker) can run it on CPU.
     def _current(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
 
@@ -233,6 +312,14 @@ class CopyEngineCommunicator(Communicator):
         """``stream`` waits for the most recent record of ``peer``'s event ``event``."""
         self.rt.streamWaitEvent(stream.cuda_stream, self._peer_events[event][peer], 0)
 
+    def _write_flag(self, stream, flag: str, value: int) -> None:
+        """Queue on ``stream``: this rank's counter ``flag`` = ``value`` (after earlier work)."""
+        self._mem_ops.write(stream.cuda_stream, self._flags + _FLAG_OFFSET[flag], value)
+
+    def _wait_flag(self, stream, peer: int, flag: str, value: int) -> None:
+        """Queue on ``stream``: wait until ``peer``'s counter ``flag`` >= ``value``."""
+        self._mem_ops.wait_geq(stream.cuda_stream, self._peer_flags[peer] + _FLAG_OFFSET[flag], value)
+
     def _copy(self, dst: int, src: int, nbytes: int, stream) -> None:
         self.rt.memcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream.cuda_stream)
 
@@ -243,41 +330,84 @@ class CopyEngineCommunicator(Communicator):
     def _host_barrier(self) -> None:
         self.delegate._barrier_impl()
 
+    def _reduce(self, stage: torch.Tensor, out: torch.Tensor, op: str) -> None:
+        """The one SM step: reduce the pulled chunks ``stage`` ``(w, m, ...)`` into ``out`` on the
+        caller's stream."""
+        self._counts["reduce_kernels"] += reduce_chunks(stage, out, op)
+        self._counts["reduced_bytes"] += stage.numel() * stage.element_size()
+
     # ------------------------------------------------------------------ the copy-engine protocol
+    def _in_use(self, t) -> None:
+        """The caller's tensor ``t`` is read or written by work queued on the current stream (which
+        joins the pull streams): its memory is not reused before that work is done, even if the
+        caller frees it and it was allocated on another stream (memory outside torch's caching
+        allocator, such as window views, is left alone by ``record_stream``)."""
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            t.record_stream(self._current())
+
     def _use_ce(self, t: torch.Tensor) -> bool:
-        return t.is_cuda and self.intra_node and self.world_size > 1
+        return t.is_cuda and self.intra_node
+
+    def _before_write(self, k: int, slot: int, stream) -> None:
+        """``stream``'s later writes of slot ``slot`` (call ``k``) wait for every rank's reads of
+        it, this rank's own included: successive calls may be queued on different streams."""
+        if self.sync == "flags":
+            if k >= self._slots:  # every rank finished call k - slots
+                for rank in range(self.world_size):
+                    self._wait_flag(stream, rank, f"done{slot}", k - self._slots + 1)
+        else:  # event, barrier: the most recent records are those of the slot's last call
+            for rank in range(self.world_size):
+                self._wait(stream, rank, f"done{slot}")
 
     def _exchange(self, t: torch.Tensor, window_bytes: int, pulls: list[tuple[int, int, int, int]],
                   src_ranks_stage: bool = True) -> None:
-        """Run steps 1-4 of the module docstring.
+        """Run one exchange (steps 1-3 of the module docstring) on the caller's current stream.
 
         :param pulls: ``(peer, peer window offset, destination pointer, bytes)`` copies to make.
         :param src_ranks_stage: whether this rank copies ``t`` into its window (step 1).
         """
         self._grow(window_bytes)
-        slot = self._calls % self._slots
+        k = self._calls
+        slot = k % self._slots
         self._calls += 1
+        flags = self.sync == "flags"
         ready, done = f"ready{slot}", f"done{slot}"
         cur = self._current()
         mine = self._slot_ptr(self._window, slot)
-        if self.sync == "event":  # step 4 of call k-2: the peers have finished reading this slot
-            self._wait_peers(done, cur)
+        self._before_write(k, slot, cur)
+        self._in_use(t)
+        active = [pull for pull in pulls if pull[3]]
+        remote = [pull for pull in active if pull[0] != self.rank]
+        for peer in dict.fromkeys(p for p, *_ in remote):  # the destinations were allocated on cur;
+            self._follow(self._streams[peer], cur)  # following before the staging copy lets the pulls overlap it
         if src_ranks_stage and t.numel() and t.data_ptr() != mine:
             self._copy(mine, t.data_ptr(), t.numel() * t.element_size(), cur)
-        self._record(ready, cur)
-        self._host_barrier()
-        active = [pull for pull in pulls if pull[3]]
-        for peer, offset, dst, nbytes in active:
-            stream = self._streams[peer]
-            self._follow(stream, cur)  # the result buffer was allocated on cur
-            self._wait(stream, peer, ready)
-            self._copy(dst, self._slot_ptr(self._peer_windows[peer], slot) + offset, nbytes, stream)
-        for peer, *_ in active:
-            self._follow(cur, self._streams[peer])
-        self._record(done, cur)
-        if self.sync == "barrier":
+            self._counts["staged_bytes"] += t.numel() * t.element_size()
+        if flags:
+            self._write_flag(cur, ready, k + 1)
+        else:
+            self._record(ready, cur)
             self._host_barrier()
-            self._wait_peers(done, cur)
+        for peer, offset, dst, nbytes in remote:  # issued first, so they do not wait for the own copy
+            stream = self._streams[peer]
+            if flags:
+                self._wait_flag(stream, peer, ready, k + 1)
+            else:
+                self._wait(stream, peer, ready)
+            self._copy(dst, self._slot_ptr(self._peer_windows[peer], slot) + offset, nbytes, stream)
+        for _, offset, dst, nbytes in [pull for pull in active if pull[0] == self.rank]:
+            self._copy(dst, mine + offset, nbytes, cur)  # this rank's own chunk, on the caller's stream
+        for peer in dict.fromkeys(p for p, *_ in remote):
+            self._follow(cur, self._streams[peer])
+        if flags:
+            self._write_flag(cur, done, k + 1)
+        else:
+            self._record(done, cur)
+        if self.sync == "barrier":  # every done record is issued before the next call waits on it
+            self._host_barrier()
+        self._counts["exchanges"] += 1
+        self._counts["copies"] += len(active)
+        self._counts["copied_bytes"] += sum(p[3] for p in active)
 
     # ------------------------------------------------------------------ several nodes
     def _spans_nodes(self, t: torch.Tensor) -> bool:
@@ -296,41 +426,169 @@ class CopyEngineCommunicator(Communicator):
             self._hier = Hierarchy(self.delegate, self._make_intra)
         return self._hier
 
+    def _via_host(self, t: torch.Tensor, run):
+        """``run(host copy of t)`` on the delegate, the result back on ``t``'s device (synchronises
+        the host with the GPU: the delegate moves host memory)."""
+        if not t.is_cuda:
+            return run(t)
+        self._counts["host_staged_calls"] += 1
+        result = run(t.cpu())
+        return None if result is None else result.to(t.device)
+
+    # ------------------------------------------------------------------ public boundary: CUDA only
+    def _served(self, t, op: str) -> None:
+        """A ValueError unless ``t`` (when a tensor; other arguments are checked later) is on CUDA."""
+        if isinstance(t, torch.Tensor) and t.device.type != "cuda":
+            raise ValueError(f"{op}: backend 'ce' serves CUDA tensors (copy engines over CUDA IPC), "
+                             f"got one on {t.device}")
+
+    def all_gather(self, t):
+        self._served(t, "all_gather")
+        return super().all_gather(t)
+
+    def all_gather_into(self, out, t):
+        self._served(t, "all_gather_into")
+        return super().all_gather_into(out, t)
+
+    def reduce_scatter(self, t, op="sum"):
+        self._served(t, "reduce_scatter")
+        return super().reduce_scatter(t, op)
+
+    def reduce_scatter_into(self, out, t, op="sum"):
+        self._served(t, "reduce_scatter_into")
+        return super().reduce_scatter_into(out, t, op)
+
+    def all_reduce(self, t, op="sum"):
+        self._served(t, "all_reduce")
+        return super().all_reduce(t, op)
+
+    def all_to_all(self, t, in_splits=None, out_splits=None):
+        self._served(t, "all_to_all")
+        return super().all_to_all(t, in_splits, out_splits)
+
+    def broadcast(self, t, src=0):
+        self._served(t, "broadcast")
+        return super().broadcast(t, src)
+
+    def send(self, t, dst, tag=0):
+        self._served(t, "send")
+        return super().send(t, dst, tag)
+
+    def recv(self, t, src, tag=0):
+        self._served(t, "recv")
+        return super().recv(t, src, tag)
+
     # ------------------------------------------------------------------ collectives
     def _all_gather_impl(self, t: torch.Tensor) -> torch.Tensor:
         if self._spans_nodes(t):
-            out = self._hierarchy().all_gather(t)
-            if out is not None:
-                return out
-        if not self._use_ce(t):
+            got = self._hierarchy().all_gather(t)
+            return got if got is not None else self._via_host(t, self.delegate._all_gather_impl)
+        if not self._use_ce(t):  # host handshakes (signatures, handles)
             return self.delegate._all_gather_impl(t)
         out = t.new_empty((self.world_size * t.shape[0], *t.shape[1:]))
-        nbytes = t.numel() * t.element_size()
-        pulls = [(p, 0, out.data_ptr() + p * nbytes, nbytes) for p in range(self.world_size)]
-        self._exchange(t, nbytes, pulls)  # this rank's own chunk is pulled from its own window
+        self._all_gather_into_impl(out, t)
         return out
+
+    def _all_gather_into_impl(self, out: torch.Tensor, t: torch.Tensor) -> None:
+        if not self._use_ce(t):
+            out.copy_(self._all_gather_impl(t))
+            return
+        self._in_use(out)
+        nbytes = t.numel() * t.element_size()
+        in_place = t.data_ptr() == out.data_ptr() + self.rank * nbytes  # t is this rank's chunk of out
+        pulls = [(p, 0, out.data_ptr() + p * nbytes, nbytes) for p in range(self.world_size)
+                 if not (in_place and p == self.rank)]
+        self._exchange(t, nbytes, pulls)
+
+    def _reduce_scatter_impl(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        out = t.new_empty((t.shape[0] // self.world_size, *t.shape[1:]))
+        self._reduce_scatter_into_impl(out, t, op)
+        return out
+
+    def _reduce_scatter_into_impl(self, out: torch.Tensor, t: torch.Tensor, op: str) -> None:
+        if not self._use_ce(t):
+            out.copy_(self._via_host(t, lambda h: self.delegate._reduce_scatter_impl(h, op)))
+            return
+        self._in_use(out)
+        w = self.world_size
+        flat = t.reshape(-1)
+        bounds = [r * (flat.numel() // w) for r in range(w + 1)]
+        self._reduce_into(out.view(-1), flat, bounds, op)
+
+    def _reduce_into(self, out: torch.Tensor, flat: torch.Tensor, bounds: list[int], op: str) -> None:
+        """Copy-engine reduce-scatter of 1-D ``flat``: this rank reduces elements
+        ``[bounds[rank], bounds[rank + 1])`` of every rank's ``flat`` into 1-D ``out``."""
+        lo, hi = bounds[self.rank], bounds[self.rank + 1]
+        elem = flat.element_size()
+        stage = flat.new_empty((self.world_size, hi - lo))
+        row = (hi - lo) * elem
+        pulls = [(p, lo * elem, stage.data_ptr() + p * row, row) for p in range(self.world_size)]
+        self._exchange(flat, flat.numel() * elem, pulls)
+        self._reduce(stage, out, op)
+
+    def _all_reduce_impl(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        if not self._use_ce(t):
+            return self._via_host(t, lambda h: self.delegate._all_reduce_impl(h, op))
+        out = torch.empty_like(t)
+        self._all_reduce_ce(out, t, op)
+        return out
+
+    def _all_reduce_into_impl(self, out: torch.Tensor, t: torch.Tensor, op: str) -> None:
+        if self._use_ce(t) and not self._spans_nodes(t):
+            return self._all_reduce_ce(out, t, op)
+        return super()._all_reduce_into_impl(out, t, op)
+
+    def _all_reduce_ce(self, out: torch.Tensor, t: torch.Tensor, op: str) -> None:
+        """all_reduce of CUDA ``t`` written into ``out`` (same shape, contiguous; may be ``t``
+        itself: the input is staged in the window before any of ``out`` is written)."""
+        self._in_use(out)
+        w, flat, dst = self.world_size, t.reshape(-1), out.view(-1)
+        if not flat.numel():
+            return
+        per = -(-flat.numel() // w)
+        bounds = [min(r * per, flat.numel()) for r in range(w + 1)]
+        lo, hi = bounds[self.rank], bounds[self.rank + 1]
+        self._reduce_into(dst[lo:hi], flat, bounds, op)
+        elem = flat.element_size()
+        pulls = [(p, 0, dst.data_ptr() + bounds[p] * elem, (bounds[p + 1] - bounds[p]) * elem)
+                 for p in range(w) if p != self.rank]  # this rank's chunk is in place already
+        self._exchange(dst[lo:hi], per * elem, pulls)
 
     def _all_to_all_impl(self, t: torch.Tensor, in_splits: list[int], out_splits: list[int]) -> torch.Tensor:
         if self._spans_nodes(t):
             out = self._hierarchy().all_to_all(t, in_splits, out_splits)
             if out is not None:
                 return out
+            return self._via_host(t, lambda h: self.delegate._all_to_all_impl(h, in_splits, out_splits))
         if not self._use_ce(t):
             return self.delegate._all_to_all_impl(t, in_splits, out_splits)
+        out = t.new_empty((sum(out_splits), *t.shape[1:]))
+        self._all_to_all_ce(out, t, in_splits, out_splits)
+        return out
+
+    def _all_to_all_into_impl(self, out: torch.Tensor, t: torch.Tensor, in_splits: list[int],
+                              out_splits: list[int]) -> None:
+        if self._use_ce(t) and not self._spans_nodes(t):
+            return self._all_to_all_ce(out, t, in_splits, out_splits)
+        return super()._all_to_all_into_impl(out, t, in_splits, out_splits)
+
+    def _all_to_all_ce(self, out: torch.Tensor, t: torch.Tensor, in_splits: list[int],
+                       out_splits: list[int]) -> None:
+        """all_to_all(-v) of CUDA ``t`` pulled straight into ``out`` (``(sum(out_splits), ...)``,
+        contiguous)."""
+        self._in_use(out)
         w = self.world_size
         matrix = self.delegate._all_gather_impl(torch.tensor(in_splits, dtype=torch.int64)).view(w, w).tolist()
         got = [matrix[p][self.rank] for p in range(w)]
         if got != list(out_splits):
             raise ValueError(f"[rank {self.rank}] out_splits={list(out_splits)} but the ranks send {got} rows here")
         row = t.element_size() * math.prod(t.shape[1:])
-        out = t.new_empty((sum(out_splits), *t.shape[1:]))
         pulls, dst = [], out.data_ptr()
         for p in range(w):
             offset = sum(matrix[p][: self.rank]) * row
             pulls.append((p, offset, dst, matrix[p][self.rank] * row))
             dst += matrix[p][self.rank] * row
         self._exchange(t, max(sum(r) for r in matrix) * row, pulls)
-        return out
 
     def _broadcast_impl(self, t: torch.Tensor, src: int) -> None:
         if self._spans_nodes(t):
@@ -341,12 +599,6 @@ class CopyEngineCommunicator(Communicator):
         pulls = [] if self.rank == src else [(src, 0, t.data_ptr(), nbytes)]
         self._exchange(t, nbytes, pulls, src_ranks_stage=self.rank == src)
         return None
-
-    def _reduce_scatter_impl(self, t: torch.Tensor, op: str) -> torch.Tensor:
-        return self.delegate._reduce_scatter_impl(t, op)
-
-    def _all_reduce_impl(self, t: torch.Tensor, op: str) -> torch.Tensor:
-        return self.delegate._all_reduce_impl(t, op)
 
     def _barrier_impl(self) -> None:
         self.delegate._barrier_impl()
@@ -361,6 +613,7 @@ class CopyEngineCommunicator(Communicator):
     def _isend_impl(self, t: torch.Tensor, dst: int, tag: int):
         if t.is_cuda and self.delegate.backend == "gloo":
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._counts["host_staged_calls"] += 1
             host.copy_(t)  # synchronous: the send may read the buffer at once
             return self.delegate._isend_impl(host, dst, tag)
         return self.delegate._isend_impl(t, dst, tag)
@@ -368,6 +621,7 @@ class CopyEngineCommunicator(Communicator):
     def _irecv_impl(self, t: torch.Tensor, src: int, tag: int):
         if t.is_cuda and self.delegate.backend == "gloo":
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._counts["host_staged_calls"] += 1
             pending = self.delegate._irecv_impl(host, src, tag)
 
             def wait() -> None:
@@ -385,10 +639,16 @@ class CopyEngineCommunicator(Communicator):
         if self._hier is not None:
             self._hier.finalize()
             self._hier = None
-        if self._window:
+        if self._window or self._flags:
             torch.cuda.synchronize(self.device)
             self.delegate._barrier_impl()
             self._close_windows()
+        for r, ptr in enumerate(self._peer_flags):
+            if r != self.rank:
+                self.rt.ipcCloseMemHandle(ptr)
+        if self._flags:
+            self.rt.free(self._flags)
+        self._flags, self._peer_flags = 0, []
         for name, event in self._events.items():
             for r, peer_event in enumerate(self._peer_events.get(name, [])):
                 if r != self.rank:
@@ -398,6 +658,9 @@ class CopyEngineCommunicator(Communicator):
         self.delegate._finalize_impl()
 
     def stats(self) -> dict[str, Any]:
-        """Window size and path, for logs and benchmarks."""
+        """Window, path and counters since creation: ``exchanges``, ``copies`` / ``copied_bytes``
+        (copy-engine pulls), ``staged_bytes`` (inputs copied into the window), ``reduce_kernels`` /
+        ``reduced_bytes`` (the only SM work: reductions of pulled chunks), ``host_staged_calls``
+        (calls that went through the delegate in host memory)."""
         return {"window_bytes": self._capacity, "slots": self._slots, "sync": self.sync,
-                "intra_node": self.intra_node, "delegate": self.delegate.backend}
+                "intra_node": self.intra_node, "delegate": self.delegate.backend, **self._counts}

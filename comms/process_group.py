@@ -218,7 +218,10 @@ class CommunicatorProcessGroup(dist.ProcessGroup):
         self._served("all_reduce", tensors)
         op = _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, self.getBackendName())
         for t in tensors:
-            t.copy_(self.comm.all_reduce(t, op))
+            if t.is_contiguous():
+                self.comm.all_reduce_into(t, t, op)
+            else:
+                t.copy_(self.comm.all_reduce(t, op))
         return _completed(list(tensors), tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -241,8 +244,10 @@ class CommunicatorProcessGroup(dist.ProcessGroup):
             raise ValueError("all_to_all_single: input and output need at least one dimension")
         in_rows = list(input_split_sizes) or None
         out_rows = list(output_split_sizes) or [output.shape[0] // w] * w
-        result = self.comm.all_to_all(input.contiguous(), in_rows, out_rows)
-        output.copy_(result.view(output.shape))
+        if output.is_contiguous():
+            self.comm.all_to_all_into(output, input.contiguous(), in_rows, out_rows)
+        else:
+            output.copy_(self.comm.all_to_all(input.contiguous(), in_rows, out_rows).view(output.shape))
         return _completed([output], [output])
 
     alltoall_base = all_to_all_single

@@ -1,6 +1,6 @@
 """The copy-engine backend on a GPU: several processes sharing the node's GPU(s) run the
-conformance suite (every SM-free op against values computed locally, plus delegated reductions),
-with the mpi backend as delegate, in both synchronisation modes, and on two simulated nodes
+conformance suite (every op against values computed locally; reductions through copy-engine pulls
+and one local kernel), with the mpi backend as delegate, in every synchronisation mode, and on two simulated nodes
 (hierarchical all_gather, all_to_all and broadcast) and on nodes of unequal size (hierarchical
 broadcast, the rest through the delegate). Skipped without a CUDA GPU, CuPy or mpirun."""
 from __future__ import annotations
@@ -42,14 +42,15 @@ def _run(n: int, *args: str) -> None:
         assert f"[rank {rank}] OK ce " in proc.stdout, out[-6000:]
 
 
-@pytest.mark.parametrize("sync", ["barrier", "event"])
+@pytest.mark.parametrize("sync", ["flags", "event", "barrier"])
 @pytest.mark.parametrize("n", [2, 3])
 def test_ce_conformance_on_one_node(n, sync):
-    """Both synchronisations: two host barriers per call, or one with two window slots."""
+    """Every synchronisation: GPU counters (no host barrier), IPC events with one host barrier and
+    two window slots, or two host barriers."""
     _run(n, "--option", f"sync={sync}", "--dtypes", "float32,bfloat16,int64,bool", *(["--large"] if n == 2 else []))
 
 
-@pytest.mark.parametrize("sync", ["barrier", "event"])
+@pytest.mark.parametrize("sync", ["flags", "event"])
 def test_ce_hierarchical_on_two_simulated_nodes(sync):
     """4 ranks on 2 simulated nodes: all_gather, all_to_all and broadcast composed of inter-node
     delegate and intra-node copy-engine steps."""

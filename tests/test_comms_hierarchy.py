@@ -302,12 +302,16 @@ class CpuCE(CopyEngineCommunicator):
         self._set_place(delegate.rank, delegate.world_size, peers=list(delegate.peers))
         self.intra_node = self.num_nodes == 1
         self._hier, self._window, self._events, self._peer_events = None, 0, {}, {}
+        self._flags, self._peer_flags = 0, []
 
     def _spans_nodes(self, t) -> bool:
         return not self.intra_node and t.is_floating_point()
 
     def _use_ce(self, t) -> bool:
         return False
+
+    def _served(self, t, op: str) -> None:  # CPU tensors stand for CUDA ones
+        pass
 
     def _make_intra(self, sub):
         return sub

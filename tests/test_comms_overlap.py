@@ -42,7 +42,7 @@ def test_bad_flags_name_the_flag(argv, words):
 
 def test_gemm_arithmetic():
     assert overlap.gemm_flops(8192) == 2 * 8192 ** 3
-    # 40 GEMMs of 8192^3 in 66.2 ms is about 664 TFLOP/s (an H200's bf16 GEMM rate)
+    # 40 GEMMs of 8192^3 in 66.2 ms is about 664 TFLOP/s (an H200's dense bf16 GEMM rate)
     assert overlap.tflops(40 * overlap.gemm_flops(8192), 0.0662) == pytest.approx(664.3, rel=1e-3)
     assert overlap.slowdown_pct(664.0, 602.0) == pytest.approx(9.34, abs=0.01)
     assert overlap.slowdown_pct(664.0, 666.0) < 0  # faster during: a negative slowdown, not clipped
@@ -130,8 +130,8 @@ def test_gpu_check_commands_parse(monkeypatch):
     seen = []
     monkeypatch.setattr(conformance, "_run_backend", lambda backend, args, dtypes, options: seen.append(options) or 0)
     all_steps = gpu_check.steps(quick=False)
-    assert sum(limit for *_, limit in all_steps) < 600  # the whole check stays under 10 minutes
-    assert [name for name, *_ in gpu_check.steps(quick=True)] == ["overlap", "bench-barrier", "bench-event"]
+    assert sum(limit for *_, limit in all_steps) < 600  # the device machine's limit per command
+    assert [name for name, *_ in gpu_check.steps(quick=True)] == ["overlap", "bench-flags", "bench-event"]
     for name, cmd, _ in all_steps:
         module = cmd[cmd.index("-m") + 1]
         argv = cmd[cmd.index("-m") + 2:]
@@ -146,15 +146,89 @@ def test_gpu_check_commands_parse(monkeypatch):
             p = argparse.ArgumentParser()
             overlap.add_arguments(p)
             assert overlap.parse_transfers(p.parse_args(argv).transfer) == list(overlap.TRANSFERS)
-    assert [o["sync"] for o in seen] == ["barrier", "event", "event", "barrier"]
+    assert [o["sync"] for o in seen] == ["flags", "event", "flags", "barrier"]
 
 
 def test_verdicts_compare_copy_engine_rows_with_the_goal():
+    def host(during: float, noise: float) -> overlap.TransferRow:
+        return overlap.TransferRow("host", during, overlap.slowdown_pct(660.0, during), 52.0, 0.99,
+                                   noise_pct=noise, repeats=5)
+
     rows = [overlap.TransferRow("none", 660.0, 0.0, 0.0, 0.0),
-            overlap.TransferRow("host", 656.0, overlap.slowdown_pct(660.0, 656.0), 52.0, 0.99),
+            host(659.0, 0.3),
             overlap.TransferRow("peer", float("nan"), float("nan"), float("nan"), 0.0, "skipped: needs 2 GPUs"),
             overlap.TransferRow("device", 600.0, overlap.slowdown_pct(660.0, 600.0), 800.0, 1.0)]
     lines = overlap.verdicts(rows)
-    assert len(lines) == 1 and "host" in lines[0] and "0.61%" in lines[0] and ": met" in lines[0]
-    rows[1] = overlap.TransferRow("host", 640.0, overlap.slowdown_pct(660.0, 640.0), 52.0, 0.99)
-    assert "NOT met" in overlap.verdicts(rows)[0]
+    assert len(lines) == 1 and "host" in lines[0] and "0.15%" in lines[0] and ": met;" in lines[0]
+    rows[1] = host(640.0, 0.3)
+    assert ": NOT met;" in overlap.verdicts(rows)[0]
+    rows[1] = host(700.0, 0.5)  # -6 %: a speed-up beyond the noise is suspect, not "met"
+    assert "no verdict" in overlap.verdicts(rows)[0] and "suspect" in overlap.verdicts(rows)[0]
+    rows[1] = host(656.0, 3.0)  # noise above the goal: nothing can be concluded
+    assert "no verdict" in overlap.verdicts(rows)[0]
+
+
+@pytest.mark.parametrize("slowdown,noise,want", [
+    (0.0, 0.2, "met"), (0.5, 0.4, "met"), (0.9, 0.4, "no verdict"), (2.0, 0.4, "NOT met"),
+    (-0.1, 0.2, "met"), (-6.0, 0.5, "no verdict"), (-6.0, 7.0, "no verdict"), (0.0, 1.0, "no verdict"),
+])
+def test_slowdown_verdict_needs_the_noise_below_the_goal(slowdown, noise, want):
+    assert overlap.slowdown_verdict(slowdown, noise, 1.0).startswith(want)
+
+
+def test_noise_is_the_widest_relative_range():
+    assert overlap.noise_pct([100.0, 101.0, 99.0], [50.0, 50.0]) == pytest.approx(2.0)
+    assert overlap.median_spread([3.0, 1.0, 2.0]) == (2.0, 1.0, 3.0)
+    with pytest.raises(ValueError):
+        overlap.median_spread([])
+
+
+# ---------------------------------------------------------------------- the SM-free profile's attribution
+def _trace(launches: list[tuple[str, str, int, int]], marks: list[tuple[str, int, int]]) -> dict:
+    """A chrome trace: ``marks`` (name, start, end) on thread 1; ``launches`` (runtime call, GPU
+    category, GPU name, start) on thread 1, each with its GPU activity."""
+    from gemcore.bench import comms_dist
+
+    events = [{"ph": "X", "cat": "user_annotation", "name": {"x": comms_dist.EXCHANGE, "r": comms_dist.REDUCE}[n],
+               "pid": 7, "tid": 1, "ts": a, "dur": b - a} for n, a, b in marks]
+    for i, (call, cat, name, ts) in enumerate(launches):
+        events.append({"ph": "X", "cat": "cuda_runtime", "name": call, "pid": 7, "tid": 1, "ts": ts, "dur": 1,
+                       "args": {"correlation": 100 + i}})
+        events.append({"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": 9, "ts": ts + 5, "dur": 3,
+                       "args": {"correlation": 100 + i}})
+    events.append({"ph": "X", "cat": "kernel", "name": "fill", "pid": 0, "tid": 9, "ts": 1, "dur": 1,
+                   "args": {"correlation": 999}})  # launched outside every mark
+    return {"traceEvents": events}
+
+
+def test_sm_free_attribution_and_verdict():
+    from gemcore.bench import comms_dist
+
+    launches = [("cudaMemcpyAsync", "gpu_memcpy", "Memcpy DtoD", 12), ("cudaMemcpyAsync", "gpu_memcpy", "Memcpy DtoD", 14),
+                ("cudaLaunchKernel", "kernel", "reduce_kernel", 32), ("cudaLaunchKernel", "kernel", "sum", 50)]
+    found = comms_dist.attribute(_trace(launches, [("x", 10, 20), ("r", 30, 40)]))
+    assert found[comms_dist.EXCHANGE] == {"gpu_memcpy": 2}
+    assert found[comms_dist.REDUCE] == {"kernel": 1}
+    assert found["window"] == {"gpu_memcpy": 2, "kernel": 3}
+    lines = comms_dist.verdict(found, reduce_kernels=1, what="all_gather")
+    assert lines[0].startswith("PASS") and lines[1].startswith("PASS")
+    assert comms_dist.verdict(found, reduce_kernels=2, what="x")[1].startswith("FAIL")
+    # a kernel launched inside an exchange fails the check and is named
+    launches.append(("cudaLaunchKernel", "kernel", "copy_kernel", 16))
+    lines = comms_dist.verdict(comms_dist.attribute(_trace(launches, [("x", 10, 20), ("r", 30, 40)])), 1, "y")
+    assert lines[0].startswith("FAIL") and "copy_kernel" in lines[0]
+    # no memcpy seen inside the exchanges: the attribution saw nothing, which is no pass ...
+    assert comms_dist.verdict(comms_dist.attribute(_trace([], [("x", 10, 20)])), 0, "z")[0].startswith("FAIL")
+    # ... unless the window holds only ce work and its kernels are exactly the counted reductions
+    unlinked = comms_dist.attribute(_trace([("cudaMemcpyAsync", "gpu_memcpy", "Memcpy DtoD", 12)], [("r", 30, 40)]))
+    assert comms_dist.verdict(unlinked, 1, "u", only_ce=True)[0].startswith("PASS")  # the "fill" kernel
+    assert comms_dist.verdict(unlinked, 0, "u", only_ce=True)[0].startswith("FAIL")
+    assert comms_dist.verdict(unlinked, 1, "u", only_ce=False)[0].startswith("FAIL")
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--sm-free"], "--sm-free"), (["--anchor"], "--anchor"), (["--fsdp"], "--fsdp"), (["--in-place"], "--in-place"),
+])
+def test_profile_and_anchor_flags_need_cuda_or_each_other(argv, words):
+    with pytest.raises(ValueError, match=words):
+        bench.run(_parse(["--backend", "single", "--device", "cpu", *argv]))

@@ -11,6 +11,18 @@ GB = 1e9 bytes, and ``busbw = algbw * factor`` with factor (n-1)/n for all_gathe
 reduce_scatter and all_to_all, 2(n-1)/n for all_reduce and 1 for broadcast. ``time`` is the mean
 over ``--iters`` calls after ``--warmup``, the slowest rank's (max over ranks).
 
+``time`` includes the host (``perf_counter`` around the calls and a final synchronisation);
+``gpu(us)`` (CUDA) is the caller's stream time per call between two CUDA events around the same
+calls. ``--api dist`` calls the collectives through torch.distributed (``dist.all_gather_into_tensor``,
+``dist.reduce_scatter_tensor``, ... on the default group of the ``gemcore_<backend>`` process group),
+as training calls them; ``--api comm`` (default) calls the communicator. ``--anchor`` (CUDA) adds
+``d2d(GB/s)``, a same-device device-to-device copy of the same size measured in the same run on one
+process while the others wait, ``bus/d2d%`` = busbw / d2d, and for ``ce`` ``copies(GB/s)``: the
+bytes every rank's copy-engine pulls and staging copies moved, per GPU, over the GPU time (with
+several ranks on one GPU their copies share it, so busbw alone cannot reach the d2d figure).
+``--in-place`` (with ``--api dist``) gathers from this rank's chunk of the output, as FSDP2 does.
+``--sm-free`` (ce) profiles the collectives instead of timing them (:mod:`gemcore.bench.comms_dist`).
+
 ``--overlap-gemm`` (CUDA) adds the SM-interference figure per size: a loop of bf16 GEMMs
 (``--gemm-n``³, ``--gemm-iters`` of them) on another stream, its TFLOP/s alone (once, before the
 sizes) and while the collective is called back to back (enough calls to outlast the loop), and
@@ -23,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -32,22 +43,12 @@ from typing import Callable
 
 import torch
 
-from gemcore.bench.comms_overlap import GemmLoop, check_gemm_args, coverage, slowdown_pct
+from gemcore.bench.comms_common import GemmLoop, check_gemm_args, coverage, parse_bytes, slowdown_pct
+from gemcore.bench.comms_dist import copy_gbs, make_dist_case, sm_free_profile
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "int64": torch.int64, "uint8": torch.uint8}
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def parse_bytes(text: str, name: str = "size") -> int:
-    """``"1K"`` -> 1024, ``"64M"``, ``"1G"``, ``"4096"`` (binary units, like nccl-tests)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)I?B?\s*", str(text).upper())
-    if not m:
-        raise ValueError(f"{name}: cannot read {text!r} as bytes (e.g. 1K, 64M, 1G)")
-    return int(m.group(1)) * _UNITS[m.group(2)]
-
-
 def bus_factor(op: str, n: int) -> float:
     """nccl-tests' busbw / algbw for ``op`` on ``n`` ranks."""
     if op in ("all_gather", "reduce_scatter", "all_to_all"):
@@ -90,6 +91,11 @@ class Row:
     gemm_during_tflops: float | None = None
     gemm_slowdown_pct: float | None = None
     gemm_cover: float | None = None
+    #: CUDA: the caller's stream time per call (events), the slowest rank's
+    gpu_us: float | None = None
+    #: --anchor: same-device copy GB/s at this size; ce: its copies' GB/s per GPU
+    anchor_gbs: float | None = None
+    copies_gbs: float | None = None
 
 
 @dataclass
@@ -103,15 +109,24 @@ class Case:
     check: Callable[[], bool]
 
 
-def make_case(comm, op: str, size_bytes: int, dtype: torch.dtype, device: torch.device) -> Case | None:
+def host_comm(comm):
+    """The communicator for the benchmark's own host-side figures (``ce`` serves CUDA only: its
+    delegate)."""
+    return comm.delegate if comm.backend == "ce" else comm
+
+
+def make_case(comm, op: str, size_bytes: int, dtype: torch.dtype, device: torch.device,
+              api: str = "comm", in_place: bool = False) -> Case | None:
     """Buffers for ``op`` moving ``size_bytes`` (rounded down to whole elements per rank); None if
-    the size holds less than one element per rank."""
+    the size holds less than one element per rank. ``api="dist"``: through torch.distributed."""
     n, elem = comm.world_size, torch.empty((), dtype=dtype).element_size()
     count = size_bytes // elem
     if op in ("all_gather", "reduce_scatter", "all_to_all"):
         count -= count % n
     if count < (n if op != "all_reduce" and op != "broadcast" else 1):
         return None
+    if api == "dist":
+        return Case(op, count * elem, count, *make_dist_case(op, count, n, comm.rank, dtype, device, in_place))
     value = float(comm.rank + 1)
     if op == "all_gather":
         x = torch.full((count // n,), value, dtype=dtype, device=device)
@@ -139,18 +154,41 @@ def make_case(comm, op: str, size_bytes: int, dtype: torch.dtype, device: torch.
     return Case(op, count * elem, count, call, check)
 
 
-def time_case(comm, case: Case, warmup: int, iters: int, device: torch.device) -> float:
-    """Mean seconds per call, the slowest rank's."""
+def time_case(comm, case: Case, warmup: int, iters: int, device: torch.device) -> tuple[float, float]:
+    """(mean seconds per call including the host, mean GPU seconds per call on the caller's
+    stream; NaN on CPU), the slowest rank's."""
     for _ in range(warmup):
         case.call()
     _sync(device)
     comm.barrier()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if device.type == "cuda" else []
     start = time.perf_counter()
+    if events:
+        events[0].record()
     for _ in range(iters):
         case.call()
+    if events:
+        events[1].record()
     _sync(device)
     mine = (time.perf_counter() - start) / iters
-    return float(comm.all_reduce(torch.tensor([mine], dtype=torch.float64), op="max")[0])
+    gpu = events[0].elapsed_time(events[1]) / 1e3 / iters if events else math.nan
+    worst = host_comm(comm).all_reduce(torch.tensor([mine, gpu], dtype=torch.float64), op="max")
+    return float(worst[0]), float(worst[1])
+
+
+def anchor_gbs(comm, nbytes: int, device: torch.device) -> float:
+    """Same-device copy GB/s of ``nbytes`` on the first rank of each GPU while the others wait
+    (the min over those ranks)."""
+    hc = host_comm(comm)
+    hc.barrier()
+    mine = copy_gbs(nbytes, device) if comm.local_rank < torch.cuda.device_count() else math.inf
+    hc.barrier()
+    return float(hc.all_reduce(torch.tensor([mine], dtype=torch.float64), op="min")[0])
+
+
+def _copied_bytes(comm) -> int:
+    stats = comm.stats() if hasattr(comm, "stats") else {}
+    return stats.get("copied_bytes", 0) + stats.get("staged_bytes", 0)
 
 
 def _sync(device: torch.device) -> None:
@@ -173,8 +211,8 @@ def gemm_ranks_loop(comm, device: torch.device, n: int, iters: int) -> tuple[Gem
     gemm = GemmLoop(device, n, iters) if comm.local_rank < torch.cuda.device_count() else None
     alone = gemm.alone() if gemm else math.inf
     loop_s = gemm.iters * 2.0 * n ** 3 / (alone * 1e12) if gemm else 0.0
-    alone = float(comm.all_reduce(torch.tensor([alone], dtype=torch.float64), op="min")[0])
-    loop_s = float(comm.all_reduce(torch.tensor([loop_s], dtype=torch.float64), op="max")[0])
+    alone = float(host_comm(comm).all_reduce(torch.tensor([alone], dtype=torch.float64), op="min")[0])
+    loop_s = float(host_comm(comm).all_reduce(torch.tensor([loop_s], dtype=torch.float64), op="max")[0])
     return gemm, alone, loop_s
 
 
@@ -197,26 +235,38 @@ def overlap_case(comm, case: Case, calls: int, gemm: GemmLoop | None, device: to
         during = gemm.tflops()
         loop = (ref.elapsed_time(gemm.start), ref.elapsed_time(gemm.end))
         cover = coverage(loop, (ref.elapsed_time(first), ref.elapsed_time(last)))
-    worst = comm.all_reduce(torch.tensor([during, cover], dtype=torch.float64), op="min")
+    worst = host_comm(comm).all_reduce(torch.tensor([during, cover], dtype=torch.float64), op="min")
     return float(worst[0]), float(worst[1])
 
 
 def measure(comm, ops: list[str], byte_sizes: list[int], dtype_name: str, device: torch.device,
-            warmup: int, iters: int, check: bool, overlap: tuple[int, int] | None = None) -> list[Row]:
-    """Rows for every op and size; ``overlap=(gemm_n, gemm_iters)`` adds the GEMM columns (CUDA)."""
+            warmup: int, iters: int, check: bool, overlap: tuple[int, int] | None = None,
+            api: str = "comm", anchor: bool = False, in_place: bool = False) -> list[Row]:
+    """Rows for every op and size; ``overlap=(gemm_n, gemm_iters)`` adds the GEMM columns (CUDA),
+    ``anchor`` the same-device copy columns (CUDA)."""
     rows = []
     gemm, alone, loop_s = gemm_ranks_loop(comm, device, *overlap) if overlap else (None, 0.0, 0.0)
+    gpus = comm.num_nodes * min(comm.local_size, max(torch.cuda.device_count(), 1))
     for op in ops:
         for size in byte_sizes:
-            case = make_case(comm, op, size, DTYPES[dtype_name], device)
+            case = make_case(comm, op, size, DTYPES[dtype_name], device, api, in_place)
             if case is None:
                 continue
             if check and not case.check():
                 raise RuntimeError(f"[rank {comm.rank}] {comm.backend} {op} at {size} bytes gave a wrong result")
-            seconds = time_case(comm, case, warmup, iters, device)
+            copied = _copied_bytes(comm)
+            seconds, gpu_s = time_case(comm, case, warmup, iters, device)
+            copied = _copied_bytes(comm) - copied
             algbw = case.size_bytes / seconds / 1e9
             row = Row(op, case.size_bytes, case.count, dtype_name, seconds * 1e6, algbw,
                       algbw * bus_factor(op, comm.world_size), comm.world_size, comm.backend, check)
+            if device.type == "cuda":
+                row.gpu_us = gpu_s * 1e6
+            if anchor:
+                row.anchor_gbs = anchor_gbs(comm, case.size_bytes, device)
+                if copied:
+                    total = float(host_comm(comm).all_reduce(torch.tensor([float(copied)], dtype=torch.float64))[0])
+                    row.copies_gbs = total / (warmup + iters) / gpus / gpu_s / 1e9
             if overlap:
                 during, cover = overlap_case(comm, case, calls_to_cover(loop_s, seconds), gemm, device)
                 row.gemm_alone_tflops, row.gemm_during_tflops, row.gemm_cover = alone, during, cover
@@ -231,12 +281,18 @@ def format_table(rows: list[Row]) -> str:
         mine = [r for r in rows if r.op == op]
         lines.append(f"# {op}, backend {mine[0].backend}, {mine[0].ranks} ranks")
         gemm = mine[0].gemm_alone_tflops is not None
+        gpu = mine[0].gpu_us is not None
+        anchor = mine[0].anchor_gbs is not None
         lines.append(f"# {'size(B)':>12} {'count':>12} {'type':>9} {'time(us)':>10} "
-                     f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11}"
+                     + (f"{'gpu(us)':>10} " if gpu else "") + f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11}"
+                     + (f" {'d2d(GB/s)':>10} {'bus/d2d%':>8} {'copies(GB/s)':>12}" if anchor else "")
                      + (f" {'gemm alone':>10} {'gemm during':>11} {'slowdown%':>9} {'cover%':>6}" if gemm else ""))
         for r in mine:
             line = (f"  {r.size_bytes:>12} {r.count:>12} {r.dtype:>9} {r.time_us:>10.1f} "
-                    f"{r.algbw_gbs:>11.3f} {r.busbw_gbs:>11.3f}")
+                    + (f"{r.gpu_us:>10.1f} " if gpu else "") + f"{r.algbw_gbs:>11.3f} {r.busbw_gbs:>11.3f}")
+            if anchor:
+                copies = f"{r.copies_gbs:>12.1f}" if r.copies_gbs is not None else f"{'-':>12}"
+                line += f" {r.anchor_gbs:>10.1f} {100 * r.busbw_gbs / r.anchor_gbs:>8.1f} {copies}"
             if gemm:
                 line += (f" {r.gemm_alone_tflops:>10.1f} {r.gemm_during_tflops:>11.1f} "
                          f"{r.gemm_slowdown_pct:>9.2f} {100 * r.gemm_cover:>6.1f}")
@@ -266,6 +322,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also a bf16 GEMM loop on another stream: TFLOP/s alone and during the collective (CUDA)")
     p.add_argument("--gemm-n", type=int, default=8192, help="--overlap-gemm: GEMM size n (n^3)")
     p.add_argument("--gemm-iters", type=int, default=40, help="--overlap-gemm: GEMMs per measured loop")
+    p.add_argument("--api", default="comm", choices=["comm", "dist"],
+                   help="dist: call torch.distributed (dist.all_gather_into_tensor, ...) on the gemcore process group")
+    p.add_argument("--in-place", action="store_true",
+                   help="--api dist: all_gather's input is this rank's chunk of the output (FSDP2's layout)")
+    p.add_argument("--anchor", action="store_true",
+                   help="also a same-device copy of each size in the same run (CUDA): d2d GB/s and busbw / d2d")
+    p.add_argument("--sm-free", action="store_true",
+                   help="ce: profile the collectives (at --max) and check that no kernel moves data")
+    p.add_argument("--fsdp", action="store_true", help="--sm-free: profile two steps of a small FSDP2 model instead")
     p.add_argument("--json", action="store_true", help="print one JSON list of rows instead of the table")
 
 
@@ -284,6 +349,15 @@ def run(args: argparse.Namespace) -> int:
         if args.device == "cpu" or not torch.cuda.is_available():
             raise ValueError("--overlap-gemm needs a CUDA GPU (--device cuda or auto with CUDA present)")
         overlap = (args.gemm_n, args.gemm_iters)
+    api, anchor, sm_free = getattr(args, "api", "comm"), getattr(args, "anchor", False), getattr(args, "sm_free", False)
+    cuda_ok = args.device != "cpu" and torch.cuda.is_available()
+    for flag, on in (("--anchor", anchor), ("--sm-free", sm_free)):
+        if on and not cuda_ok:
+            raise ValueError(f"{flag} needs a CUDA GPU (--device cuda or auto with CUDA present)")
+    if getattr(args, "fsdp", False) and not sm_free:
+        raise ValueError("--fsdp goes with --sm-free")
+    if getattr(args, "in_place", False) and api != "dist":
+        raise ValueError("--in-place goes with --api dist")
     options = dict(kv.split("=", 1) for kv in args.option)
     from gemcore import comms
 
@@ -295,15 +369,29 @@ def run(args: argparse.Namespace) -> int:
         if use_cuda:
             device = torch.device("cuda", comm.local_rank % torch.cuda.device_count())
             torch.cuda.set_device(device)
-        rows = measure(comm, ops, byte_sizes, args.dtype, device, args.warmup, args.iters, args.check, overlap)
+        if api == "dist" or sm_free:
+            from gemcore.comms import process_group
+            process_group.init_process_group(comm)
+        if sm_free:
+            count = byte_sizes[-1] // torch.empty((), dtype=DTYPES[args.dtype]).element_size()
+            count -= count % comm.world_size
+            lines = sm_free_profile(comm, ops, count, DTYPES[args.dtype], device, args.iters, args.fsdp)
+            print("\n".join(f"[rank {comm.rank}] {line}" for line in lines), flush=True)
+            return 1 if any(line.startswith("FAIL") for line in lines) else 0
+        rows = measure(comm, ops, byte_sizes, args.dtype, device, args.warmup, args.iters, args.check, overlap,
+                       api, anchor, getattr(args, "in_place", False))
         if comm.rank == 0:
             if args.json:
                 print(json.dumps([asdict(r) for r in rows], indent=1))
             else:
-                print(f"# gem bench comms: {comm.describe()}, device {device}, {args.iters} iters "
+                where = ", all_gather in place" if getattr(args, "in_place", False) else ""
+                print(f"# gem bench comms: {comm.describe()}, device {device}, api {api}{where}, {args.iters} iters "
                       f"after {args.warmup} warm-up, time = slowest rank's mean")
                 print(format_table(rows))
             sys.stdout.flush()
     finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
         comms.finalize()
     return 0

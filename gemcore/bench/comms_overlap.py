@@ -14,8 +14,8 @@ on one stream while another stream keeps moving ``--size`` bytes at a time:
 The copy-engine claim of the ``ce`` backend rests on the first two rows: between GPUs its pulls
 are peer copies. On one GPU, its peer pulls between processes are same-device copies (``device``
 row), so a one-GPU ``mpirun`` overlap run shows time-slicing and SM sharing, not copy-engine
-behaviour (docs/comms.md). ``gem bench comms --overlap-gemm``
-uses :class:`GemmLoop` and :func:`coverage` from here for the multi-rank form.
+behaviour. ``gem bench comms --overlap-gemm`` is the multi-rank form (both use
+:mod:`gemcore.bench.comms_common`).
 
 Reported per transfer: GEMM TFLOP/s (analytic 2·n³ per GEMM over the loop's CUDA-event time),
 slowdown against ``none``, the transfer's GB/s (1e9 B), and ``cover``: the share of the GEMM
@@ -32,40 +32,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from gemcore.bench.comms_common import (GemmLoop, check_gemm_args, coverage, gemm_flops, median_spread,  # noqa: F401
+                                        noise_pct, parse_bytes, slowdown_pct, slowdown_verdict, tflops)
+
 TRANSFERS = ("none", "host", "peer", "device", "kernel")
 #: the goal for copy-engine transfers: at most this GEMM slowdown
 GOAL_SLOWDOWN_PCT = 1.0
-
-
-# ---------------------------------------------------------------------- arithmetic (CPU-testable)
-def gemm_flops(n: int) -> float:
-    """Floating-point operations of one ``(n, n) @ (n, n)`` GEMM: 2·n³."""
-    return 2.0 * n ** 3
-
-
-def tflops(flops: float, seconds: float) -> float:
-    """TFLOP/s (1e12) of ``flops`` done in ``seconds``."""
-    if seconds <= 0:
-        raise ValueError(f"seconds must be positive, got {seconds}")
-    return flops / seconds / 1e12
-
-
-def slowdown_pct(alone: float, during: float) -> float:
-    """How much slower (in %) a rate ``during`` is than ``alone``: 100·(alone − during)/alone."""
-    if alone <= 0:
-        raise ValueError(f"alone must be positive, got {alone}")
-    return 100.0 * (alone - during) / alone
-
-
-def coverage(inner: tuple[float, float], outer: tuple[float, float]) -> float:
-    """Share of interval ``inner`` (start, end) that ``outer`` overlaps, in [0, 1]."""
-    i0, i1 = inner
-    o0, o1 = outer
-    if i1 < i0 or o1 < o0:
-        raise ValueError(f"intervals must have start <= end, got {inner} and {outer}")
-    if i1 == i0:
-        return 1.0 if o0 <= i0 <= o1 else 0.0
-    return max(0.0, min(i1, o1) - max(i0, o0)) / (i1 - i0)
 
 
 def parse_transfers(text: str) -> list[str]:
@@ -81,49 +53,6 @@ def parse_transfers(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def check_gemm_args(n: int, iters: int) -> None:
-    if n < 1:
-        raise ValueError(f"--gemm-n must be >= 1, got {n}")
-    if iters < 1:
-        raise ValueError(f"--gemm-iters must be >= 1, got {iters}")
-
-
-# ---------------------------------------------------------------------- the GEMM loop
-class GemmLoop:
-    """``iters`` GEMMs ``a @ b`` (n x n bfloat16) enqueued on their own stream."""
-
-    def __init__(self, device: torch.device, n: int = 8192, iters: int = 40) -> None:
-        check_gemm_args(n, iters)
-        self.device, self.n, self.iters = device, n, iters
-        self.stream = torch.cuda.Stream(device)
-        g = torch.Generator(device=device).manual_seed(0)
-        self.a = torch.randn(n, n, device=device, dtype=torch.bfloat16, generator=g)
-        self.b = torch.randn(n, n, device=device, dtype=torch.bfloat16, generator=g)
-        self.out = torch.empty(n, n, device=device, dtype=torch.bfloat16)
-        self.start = torch.cuda.Event(enable_timing=True)
-        self.end = torch.cuda.Event(enable_timing=True)
-
-    def enqueue(self) -> None:
-        """Queue the loop (returns at once); :meth:`tflops` after ``end`` completes."""
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            self.start.record()
-            for _ in range(self.iters):
-                torch.matmul(self.a, self.b, out=self.out)
-            self.end.record()
-
-    def tflops(self) -> float:
-        self.end.synchronize()
-        return tflops(gemm_flops(self.n) * self.iters, self.start.elapsed_time(self.end) / 1e3)
-
-    def alone(self, warmup: int = 1) -> float:
-        """TFLOP/s of the loop with nothing else running (after ``warmup`` unmeasured loops)."""
-        for _ in range(warmup):
-            self.enqueue()
-        self.enqueue()
-        return self.tflops()
-
-
 # ---------------------------------------------------------------------- one-GPU transfer demo
 @dataclass
 class TransferRow:
@@ -133,6 +62,12 @@ class TransferRow:
     transfer_gbs: float
     cover: float
     note: str = ""
+    #: GEMM TFLOP/s over the repeats (the row holds the median run's figures)
+    tflops_min: float = float("nan")
+    tflops_max: float = float("nan")
+    #: the noise in %: the widest relative range of the GEMM alone and of this row's repeats
+    noise_pct: float = float("nan")
+    repeats: int = 1
 
 
 class _Transfer:
@@ -196,22 +131,28 @@ def run_transfer(move: _Transfer, gemm: GemmLoop, alone: float) -> TransferRow:
 def format_rows(rows: list[TransferRow], gemm: GemmLoop, nbytes: int) -> str:
     lines = [f"# GEMM {gemm.n}^3 bf16 x {gemm.iters} on one stream, {nbytes} B transfers on another "
              f"({torch.cuda.get_device_name(gemm.device)})",
-             f"# {'transfer':>9} {'GEMM TFLOP/s':>13} {'slowdown %':>11} {'xfer GB/s':>10} {'cover %':>8}"]
+             f"# median of {rows[0].repeats if rows else 0} repeats; range = min..max GEMM TFLOP/s over them; "
+             f"noise = the widest relative range (GEMM alone, this row)",
+             f"# {'transfer':>9} {'GEMM TFLOP/s':>13} {'range':>15} {'slowdown %':>11} {'noise %':>8} "
+             f"{'xfer GB/s':>10} {'cover %':>8}"]
     for r in rows:
-        lines.append(f"  {r.transfer:>9} {r.gemm_tflops:>13.1f} {r.slowdown_pct:>11.2f} {r.transfer_gbs:>10.1f} "
-                     f"{100 * r.cover:>8.1f} {r.note}".rstrip())
+        spread = f"{r.tflops_min:.1f}..{r.tflops_max:.1f}"
+        lines.append(f"  {r.transfer:>9} {r.gemm_tflops:>13.1f} {spread:>15} {r.slowdown_pct:>11.2f} "
+                     f"{r.noise_pct:>8.2f} {r.transfer_gbs:>10.1f} {100 * r.cover:>8.1f} {r.note}".rstrip())
     lines += verdicts(rows)
     return "\n".join(lines)
 
 
 def verdicts(rows: list[TransferRow], goal_pct: float = GOAL_SLOWDOWN_PCT) -> list[str]:
-    """One line per measured copy-engine transfer (host, peer): its slowdown against the goal."""
+    """One line per measured copy-engine transfer (host, peer): its median slowdown against the
+    goal, with a verdict only when the noise allows one (:func:`slowdown_verdict`)."""
     out = []
     for r in rows:
         if r.transfer in ("host", "peer") and not math.isnan(r.slowdown_pct):
-            met = "met" if r.slowdown_pct <= goal_pct else "NOT met"
-            out.append(f"# {r.transfer}: GEMM slowdown {r.slowdown_pct:.2f}% beside a copy-engine transfer "
-                       f"(goal <= {goal_pct:g}%: {met}; cover {100 * r.cover:.0f}%)")
+            verdict = slowdown_verdict(r.slowdown_pct, r.noise_pct, goal_pct)
+            out.append(f"# {r.transfer}: GEMM slowdown {r.slowdown_pct:.2f}% (noise ±{r.noise_pct:.2f}%, "
+                       f"{r.repeats} repeats) beside a copy-engine transfer (goal <= {goal_pct:g}%: {verdict}; "
+                       f"cover {100 * r.cover:.0f}%)")
     return out
 
 
@@ -220,13 +161,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", default="512M", help="bytes per transfer (e.g. 512M)")
     p.add_argument("--gemm-n", type=int, default=8192, help="GEMM size n (n x n @ n x n, bfloat16)")
     p.add_argument("--gemm-iters", type=int, default=40, help="GEMMs per measured loop")
-    p.add_argument("--repeats", type=int, default=3, help="measure each transfer this many times, keep the median")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="measure the GEMM alone and each transfer this many times: median, range and noise")
     p.add_argument("--json", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
-    from gemcore.bench.comms import parse_bytes
-
     kinds = parse_transfers(args.transfer)
     nbytes = parse_bytes(args.size, "--size")
     check_gemm_args(args.gemm_n, args.gemm_iters)
@@ -236,18 +176,24 @@ def run(args: argparse.Namespace) -> int:
         raise RuntimeError("comms_overlap needs a CUDA GPU (it measures SM interference)")
     device = torch.device("cuda", torch.cuda.current_device())
     gemm = GemmLoop(device, args.gemm_n, args.gemm_iters)
-    alone = sorted(gemm.alone() for _ in range(args.repeats))[args.repeats // 2]
+    alone_runs = [gemm.alone() for _ in range(args.repeats)]
+    alone, lo, hi = median_spread(alone_runs)
     rows = []
     for kind in kinds:
         if kind == "none":
-            rows.append(TransferRow(kind, alone, 0.0, 0.0, 0.0, "GEMM alone (median)"))
+            rows.append(TransferRow(kind, alone, 0.0, 0.0, 0.0, "GEMM alone", lo, hi, noise_pct(alone_runs),
+                                    args.repeats))
             continue
         if kind == "peer" and torch.cuda.device_count() < 2:
             rows.append(TransferRow(kind, float("nan"), float("nan"), float("nan"), 0.0, "skipped: needs 2 GPUs"))
             continue
         move = _Transfer(kind, nbytes, device)
         runs = sorted((run_transfer(move, gemm, alone) for _ in range(args.repeats)), key=lambda r: r.gemm_tflops)
-        rows.append(runs[len(runs) // 2])
+        row = runs[len(runs) // 2]
+        during = [r.gemm_tflops for r in runs]
+        row.tflops_min, row.tflops_max = min(during), max(during)
+        row.noise_pct, row.repeats = noise_pct(alone_runs, during), args.repeats
+        rows.append(row)
         del move
     if args.json:
         print(json.dumps([asdict(r) for r in rows], indent=1))
