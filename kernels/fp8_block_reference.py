@@ -10,6 +10,8 @@ Scales here are float32 powers of two: a block with largest magnitude ``amax`` g
 E in [-126, 127] so that the scale is a normal float32. Nothing saturates, dividing by the scale is
 exact, and an element times its scale is exact in float32 and in bf16's range. A block holding NaN
 or +-Inf gets a NaN scale and NaN elements. An all-zero block gets 2^-126 and zero elements.
+Inputs below float32's smallest normal (2^-126) are read as zero of the same sign, as GPUs that
+flush subnormals do.
 
 Elements are x / 2^E rounded to nearest, ties to even, on the E4M3 grid (subnormals included), the
 same rounding as :func:`gemcore.kernels.mx_reference.round_to_elem`.
@@ -37,6 +39,7 @@ def block_exponent(amax: torch.Tensor) -> torch.Tensor:
 def _quantize_blocks(blocks: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 ``blocks`` with the block's elements along ``dims`` -> (E4M3 elements, float32 scale
     with ``dims`` kept as size 1)."""
+    blocks = torch.where(blocks.abs() < 2.0**-126, blocks * 0.0, blocks)  # subnormals -> signed zero
     amax = blocks.abs().amax(dim=dims, keepdim=True)
     bad = ~torch.isfinite(amax)
     e = block_exponent(torch.where(bad, 0.0, amax))
@@ -67,7 +70,7 @@ def dequantize_reference(data: torch.Tensor, scale: torch.Tensor, dtype: torch.d
     """data (R, C) times its blocks' scales; ``scale`` (R, C/128) for 1x128 blocks or
     (R/128, C/128) for 128x128 blocks. Exact in float32, then rounded once to ``dtype``."""
     R, C = data.shape
-    rows_per_block = R // scale.shape[0]
+    rows_per_block = 1 if scale.shape[0] == R else BLOCK
     s = scale.to(torch.float32).repeat_interleave(rows_per_block, 0).repeat_interleave(BLOCK, 1)
     out = data.to(torch.float32) * s
     return out.to(dtype)

@@ -70,6 +70,8 @@ def _fp8_block_cast(x_ptr, rdata_ptr, rscale_ptr, cdata_ptr, cscale_ptr, R, C, R
     x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :] * stride_xc,
                 mask=(r[:, None] < R) & (c[None, :] < C), other=0.0).to(tl.float32)
     bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    x = tl.where(bits < 0x800000, x * 0.0, x)  # float32 subnormals read as (signed) zero
+    bits = tl.where(bits < 0x800000, 0, bits)
     row_ok = r[:, None] < R_PAD
     if SQUARE:
         byte = _block_byte(tl.max(tl.max(bits, axis=1), axis=0))
@@ -151,7 +153,7 @@ def _fp8_block_mm(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
             partial = tl.dot(a.to(tl.float32), b.to(tl.float32))
         else:
             partial = tl.dot(a, b)
-        acc += partial * (sa[:, None] * sb[None, :])
+        acc += (partial * sa[:, None]) * sb[None, :]  # sa * sb alone could underflow
         a_ptrs += 128 * stride_ak
         b_ptrs += 128 * stride_bk
     _store_tile(c_ptr, acc, offs_m, offs_n, M, N, stride_cm, stride_cn)
