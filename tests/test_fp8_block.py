@@ -64,13 +64,15 @@ def test_reference_cast_semantics(kind):
     mant, _ = torch.frexp(scale)
     assert torch.all(mant == 0.5)  # powers of two
     amax = x.abs().reshape(70, 3, 128).amax(-1)
+    amax = torch.where(amax < 2.0**-126, 0.0, amax)
     free = scale > 2.0**-126  # not clamped
     assert torch.all(amax <= 448 * scale) and torch.all(amax[free] > 224 * scale[free])
     assert torch.all(scale[amax == 0] == 2.0**-126)
     if kind == "tiny":
         assert (~free).any()
     s = scale.repeat_interleave(128, 1)
-    want = (x / s).to(torch.float8_e4m3fn)
+    flushed = torch.where(x.abs() < 2.0**-126, x * 0.0, x)  # float32 subnormals read as zero
+    want = (flushed / s).to(torch.float8_e4m3fn)
     assert torch.equal(data.view(torch.uint8), want.view(torch.uint8))
     deq = fb.BlockFP8(data, scale, 1).dequantize(torch.float64)
     assert rel_err(deq, x) <= 2.0**-4
