@@ -280,6 +280,36 @@ def _cublas_mm(a: BlockFP8, b: BlockFP8, out_dtype: torch.dtype) -> torch.Tensor
     return torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale, scale_b=scale_b, out_dtype=out_dtype)
 
 
+# --------------------------------------------------------------------------- GPU generations
+#: what each GPU generation gets for low-precision training (compute capability, name, routes)
+GENERATIONS = [
+    ((8, 0), "Ampere and older (no FP8 tensor cores)",
+     "mxfp8 exact (bf16 GEMMs on dequantized operands); fp8_block fast paths refused"),
+    ((8, 9), "Ada",
+     "fp8_block matmul=triton (FP8 tensor cores); cuBLAS block scaling is Hopper-only"),
+    ((9, 0), "Hopper",
+     "fp8_block matmul=cublas (cuBLAS 1x128/128x128, CUDA >= 12.9) or matmul=triton; mxfp8 exact"),
+    ((10, 0), "Blackwell (data centre)",
+     "mxfp8 with tl.dot_scaled (native MX block-scaled MMA, mx_matmul backend triton_scaled; "
+     "compiled for sm_100 ahead of time, not yet run on a Blackwell GPU); fp8_block matmul=triton"),
+]
+
+
+def generation_of(capability: tuple[int, int]) -> tuple[int, int]:
+    """The :data:`GENERATIONS` row a GPU of ``capability`` falls in (the last one not above it)."""
+    return max((cap for cap, _, _ in GENERATIONS if cap <= capability), default=GENERATIONS[0][0])
+
+
+def generation_routes() -> list[tuple[str, str, str]]:
+    """(compute capability, generation, routes) rows, with what ``fp8_block``'s ``auto`` picks."""
+    rows = []
+    for cap, name, routes in GENERATIONS:
+        auto = AUTO_CUDA_MATMUL.get(cap)
+        auto_note = f"auto -> {auto}" if auto else "auto: none verified on this generation, choose explicitly"
+        rows.append((f"{cap[0]}.{cap[1]}", name, f"{routes}; fp8_block {auto_note}"))
+    return rows
+
+
 # --------------------------------------------------------------------------- FP8BlockLinear
 @dataclass(frozen=True)
 class FP8BlockConfig:
@@ -402,4 +432,4 @@ def convert_to_fp8_block(module: nn.Module, filter_fn: Optional[Callable[[nn.Mod
 
 __all__ = ["BlockFP8", "FP8BlockConfig", "FP8BlockLinear", "quantize_rows", "quantize_act",
            "quantize_weight", "fp8_block_mm", "convert_to_fp8_block", "matmul_backend_status",
-           "resolve_matmul_backend", "cublas_block_scaling", "MATMUL_BACKENDS", "CAST_BACKENDS", "BLOCK"]
+           "resolve_matmul_backend", "cublas_block_scaling", "generation_routes", "generation_of", "MATMUL_BACKENDS", "CAST_BACKENDS", "BLOCK"]

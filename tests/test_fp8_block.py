@@ -279,3 +279,18 @@ def test_triton_kernels_in_interpreter():
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout
+
+
+def test_gem_info_says_what_each_gpu_generation_gets(tmp_path, monkeypatch):
+    from tests.conftest import gem
+
+    result = gem(["info"], tmp_path, monkeypatch)
+    assert result.returncode == 0
+    out = result.stdout
+    assert "low precision by GPU generation" in out
+    assert "9.0   Hopper: fp8_block matmul=cublas" in out and "tl.dot_scaled" in out
+    assert "fp8_block GEMM backends here: reference" in out
+    assert fb.generation_of((9, 0)) == (9, 0) and fb.generation_of((7, 5)) == (8, 0)
+    assert fb.generation_of((10, 3)) == (10, 0) and fb.generation_of((8, 9)) == (8, 9)
+    # auto only names backends verified on a generation
+    assert all(fb.AUTO_CUDA_MATMUL.get(cap) in (None, *fb.MATMUL_BACKENDS) for cap in fb.AUTO_CUDA_MATMUL)
