@@ -15,6 +15,8 @@ float32 accumulation promoted once per 128-wide K block. Backends:
 
 * ``"reference"``: dequantize (exact) and multiply in float32, any device;
 * ``"cublas"``: torch's block-scaled ``torch._scaled_mm`` (cuBLAS, Hopper, CUDA >= 12.9);
+* ``"scaled_mm"``: the same cuBLAS GEMM through ``torch.nn.functional.scaled_mm`` with
+  ``ScalingType.BlockWise1x128`` / ``BlockWise128x128``;
 * ``"triton"``: :func:`gemcore.kernels.fp8_block_triton.fp8_block_mm_triton`, FP8 tensor cores
   (compute capability >= 8.9);
 * ``"auto"``: the reference off CUDA; on CUDA the backend listed in :data:`AUTO_CUDA_MATMUL` for
@@ -36,7 +38,7 @@ from torch import nn
 from gemcore.kernels.fp8_block_reference import (BLOCK, dequantize_reference, fp8_block_mm_reference,
                                                  quantize_rows_reference, quantize_square_reference)
 
-MATMUL_BACKENDS = ("auto", "reference", "cublas", "triton")
+MATMUL_BACKENDS = ("auto", "reference", "cublas", "scaled_mm", "triton")
 CAST_BACKENDS = ("auto", "triton", "reference")
 #: compute capability -> the GEMM backend ``"auto"`` runs there: only entries whose GPU tests and
 #: benchmarks passed on that generation
@@ -207,16 +209,25 @@ def cublas_block_scaling() -> Optional[str]:
     return None
 
 
+def functional_block_scaling() -> Optional[str]:
+    """None when ``torch.nn.functional.scaled_mm`` takes 1x128 / 128x128 recipes here, else why not."""
+    F = torch.nn.functional
+    if not hasattr(F, "scaled_mm") or not hasattr(getattr(F, "ScalingType", None), "BlockWise1x128"):
+        return f"torch {torch.__version__} has no torch.nn.functional.scaled_mm with ScalingType.BlockWise1x128"
+    return cublas_block_scaling()
+
+
 def matmul_backend_status(device: torch.device) -> dict[str, Optional[str]]:
     """Each GEMM backend -> None if it can run on ``device``, else the reason it cannot."""
     device = torch.device(device)
     status: dict[str, Optional[str]] = {"reference": None}
     if device.type != "cuda":
-        status["cublas"] = "needs a CUDA GPU"
+        status["cublas"] = status["scaled_mm"] = "needs a CUDA GPU"
         status["triton"] = None if _interpreting() else "needs a CUDA GPU (or TRITON_INTERPRET=1)"
         return status
     cap = _capability(device)
     status["cublas"] = cublas_block_scaling()
+    status["scaled_mm"] = functional_block_scaling()
     status["triton"] = None if cap >= (8, 9) else f"needs FP8 tensor cores (sm >= 8.9), this GPU is {cap[0]}.{cap[1]}"
     return status
 
@@ -232,7 +243,7 @@ def resolve_matmul_backend(backend: str, device: torch.device) -> str:
         cap = _capability(device)
         if cap not in AUTO_CUDA_MATMUL:
             raise ValueError(f"matmul='auto': no block-scaled FP8 GEMM has been verified on compute "
-                             f"capability {cap[0]}.{cap[1]}; choose 'cublas' or 'triton' (or 'reference') "
+                             f"capability {cap[0]}.{cap[1]}; choose 'cublas', 'scaled_mm' or 'triton' (or 'reference') "
                              f"explicitly (see docs/fp8.md)")
         backend = AUTO_CUDA_MATMUL[cap]
     reason = matmul_backend_status(device)[backend]
@@ -268,6 +279,8 @@ def fp8_block_mm(a: BlockFP8, b: BlockFP8, out_dtype: torch.dtype = torch.bfloat
         from gemcore.kernels.fp8_block_triton import fp8_block_mm_triton
 
         return fp8_block_mm_triton(a.data, a.scale, b.data, b.scale, b.block_rows, out_dtype)
+    if backend == "scaled_mm":
+        return _functional_mm(a, b, out_dtype)
     return _cublas_mm(a, b, out_dtype)
 
 
@@ -278,6 +291,23 @@ def _cublas_mm(a: BlockFP8, b: BlockFP8, out_dtype: torch.dtype) -> torch.Tensor
     if b.block_rows == BLOCK and scale_b.stride(0) != 1:
         scale_b = _col_major(scale_b)
     return torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale, scale_b=scale_b, out_dtype=out_dtype)
+
+
+def _functional_mm(a: BlockFP8, b: BlockFP8, out_dtype: torch.dtype) -> torch.Tensor:
+    """torch.nn.functional.scaled_mm: a's scales (M, K/128) column-major; b's 128x128 scales as
+    (L4, N/128) column-major with K/128 padded to L4 = a multiple of 4, or b's 1x128 scales
+    (N, K/128) column-major."""
+    F = torch.nn.functional
+    if b.block_rows == BLOCK:
+        kb, nb = b.scale.shape[1], b.scale.shape[0]
+        l4 = -(-kb // 4) * 4
+        padded = torch.zeros((nb, l4), dtype=torch.float32, device=b.scale.device)
+        padded[:, :kb] = b.scale
+        scale_b, recipe_b = padded.t(), F.ScalingType.BlockWise128x128
+    else:
+        scale_b, recipe_b = b.scale, F.ScalingType.BlockWise1x128
+    return F.scaled_mm(a.data, b.data.t(), a.scale, F.ScalingType.BlockWise1x128, scale_b, recipe_b,
+                       output_dtype=out_dtype)
 
 
 # --------------------------------------------------------------------------- GPU generations
@@ -431,5 +461,5 @@ def convert_to_fp8_block(module: nn.Module, filter_fn: Optional[Callable[[nn.Mod
 
 
 __all__ = ["BlockFP8", "FP8BlockConfig", "FP8BlockLinear", "quantize_rows", "quantize_act",
-           "quantize_weight", "fp8_block_mm", "convert_to_fp8_block", "matmul_backend_status",
+           "quantize_weight", "fp8_block_mm", "convert_to_fp8_block", "matmul_backend_status", "functional_block_scaling",
            "resolve_matmul_backend", "cublas_block_scaling", "generation_routes", "generation_of", "MATMUL_BACKENDS", "CAST_BACKENDS", "BLOCK"]

@@ -21,7 +21,7 @@ from gemcore.precision import AutocastPolicy
 log = logging.getLogger(__name__)
 
 DEFAULTS: dict[str, Any] = {
-    "fp8_matmul": "auto",  # GEMM backend: auto | reference | cublas | triton
+    "fp8_matmul": "auto",  # GEMM backend: auto | reference | cublas | scaled_mm | triton
     "fp8_keep": ("router", "head"),  # module-name components that stay in bf16
 }
 

@@ -294,3 +294,21 @@ def test_gem_info_says_what_each_gpu_generation_gets(tmp_path, monkeypatch):
     assert fb.generation_of((10, 3)) == (10, 0) and fb.generation_of((8, 9)) == (8, 9)
     # auto only names backends verified on a generation
     assert all(fb.AUTO_CUDA_MATMUL.get(cap) in (None, *fb.MATMUL_BACKENDS) for cap in fb.AUTO_CUDA_MATMUL)
+
+
+@pytest.mark.parametrize("K", [512, 384, 128])
+@pytest.mark.parametrize("b_blocks", [1, 128])
+def test_cublas_layouts_pass_torchs_checks(K, b_blocks):
+    """The scale layouts handed to torch._scaled_mm and torch.nn.functional.scaled_mm pass torch's
+    own shape and stride checks (run on the meta device: no GPU needed)."""
+    def meta(t: fb.BlockFP8) -> fb.BlockFP8:
+        return fb.BlockFP8(*(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+                             for v in (t.data, t.scale)), t.block_rows)
+
+    a = meta(fb.quantize_rows(torch.randn(256, K)))
+    bx = torch.randn(384, K)
+    b = meta(fb.quantize_rows(bx) if b_blocks == 1 else fb.quantize_weight(bx, transpose=False)[0])
+    for mm in (fb._cublas_mm, fb._functional_mm):
+        for out_dtype in (torch.float32, torch.bfloat16):
+            out = mm(a, b, out_dtype)
+            assert out.shape == (256, 384) and out.dtype == out_dtype

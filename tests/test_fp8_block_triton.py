@@ -3,7 +3,8 @@ and FP8BlockLinear against float64 (relative Frobenius error <= 1e-3), with grad
 
 On CPU this module only runs under TRITON_INTERPRET=1 (test_fp8_block.py starts it in a subprocess
 with that set), at small sizes; the element rounding is the software path there. On a CUDA GPU it
-runs at real sizes with the hardware conversion, and the cuBLAS backend is checked too.
+runs at real sizes with the hardware conversion, and the cuBLAS backends (torch._scaled_mm and
+torch.nn.functional.scaled_mm) are checked too. Marked gpu.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available()
 pytestmark = [
+    pytest.mark.gpu,
     pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs a CUDA GPU or TRITON_INTERPRET=1 (run by test_fp8_block.py)"),
     pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning"),
 ]
@@ -28,7 +30,7 @@ from tests.test_fp8_block import FAST_PATH_BOUND, block_data, fp8_exact_linear, 
 DEVICE = "cuda" if CUDA else "cpu"
 KINDS = ["randn", "spread", "zero", "tiny"]
 #: GEMM backends under test: the Triton kernel everywhere, cuBLAS on a GPU that has it
-FAST = ["triton"] + (["cublas"] if CUDA else [])
+FAST = ["triton"] + (["cublas", "scaled_mm"] if CUDA else [])
 CAST_SHAPES = [(130, 200), (128, 256), (1, 128), (0, 128)] if INTERPRET else \
     [(130, 200), (4096 + 17, 3072), (1, 128), (0, 128)]
 
@@ -143,10 +145,10 @@ def test_fast_linear_against_float64(backend, kind, M, K, N):
     dy = on_device(block_data(partner(kind), (M, N), seed=7))
     y = lin(x)
     y.backward(dy)
-    want_y, want_dx, want_dw = fp8_exact_linear(x.detach().cpu(), lin.weight.detach().cpu(), dy.cpu())
-    assert rel_err(y.cpu(), want_y) <= FAST_PATH_BOUND
-    assert rel_err(x.grad.cpu(), want_dx) <= FAST_PATH_BOUND
-    assert rel_err(lin.weight.grad.cpu(), want_dw) <= FAST_PATH_BOUND
+    want_y, want_dx, want_dw = fp8_exact_linear(x.detach(), lin.weight.detach(), dy)  # on the device
+    assert rel_err(y, want_y) <= FAST_PATH_BOUND
+    assert rel_err(x.grad, want_dx) <= FAST_PATH_BOUND
+    assert rel_err(lin.weight.grad, want_dw) <= FAST_PATH_BOUND
 
 
 @pytest.mark.skipif(not CUDA, reason="bf16 autocast training step on a GPU")
@@ -182,8 +184,7 @@ def test_plugin_trains_on_gpu_through_fast_path():
         losses = []
         for step in range(15):
             batch = data.__getitems__(list(range(16 * (step % 4), 16 * (step % 4) + 16)))
-            batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()} \
-                if isinstance(batch, dict) else batch.to("cuda")
+            batch = batch.to("cuda")
             with policy.autocast("cuda"):
                 loss = model.loss(batch)
             opt.zero_grad()
