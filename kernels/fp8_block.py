@@ -420,6 +420,11 @@ class FP8BlockLinear(nn.Linear):
             raise ValueError(f"x: last dimension must be in_features={self.in_features}, got {tuple(x.shape)}")
         if x.dtype not in _INPUT_DTYPES:
             raise ValueError(f"x must be float32/bfloat16/float16 to cast to FP8, got {x.dtype}")
+        from gemcore.kernels.mx import _is_dtensor
+
+        if _is_dtensor(self.weight) or _is_dtensor(x):
+            raise ValueError("FP8BlockLinear does not run under tensor parallelism (its weight or x is a "
+                             "DTensor); use precision.impl=mxfp8 or bf16 for tp > 1 plans")
         device_type = x.device.type
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         lead = x.shape[:-1]
