@@ -356,6 +356,18 @@ class FP8BlockConfig:
             raise ValueError(f"cast must be one of {CAST_BACKENDS}, got {self.cast!r}")
 
 
+def _weight_pair(weight: torch.Tensor, cfg: FP8BlockConfig) -> tuple[BlockFP8, BlockFP8]:
+    """(W, Wᵀ) in 128x128 blocks: as FSDP2 gathered them in FP8 (no cast), else cast from the
+    master values (zero-padded to whole blocks)."""
+    from gemcore.kernels.fp8_block_fsdp import FP8BlockGatheredWeight, FP8BlockShardedWeight
+
+    if isinstance(weight, FP8BlockGatheredWeight):
+        return weight.fp8_pair()
+    if isinstance(weight, FP8BlockShardedWeight):
+        weight = weight.master
+    return quantize_weight(weight.detach(), pad=True, backend=cfg.cast)
+
+
 class _FP8BlockLinearFunction(torch.autograd.Function):
     """out = x W^T with every GEMM in block-scaled FP8.
 
@@ -371,7 +383,7 @@ class _FP8BlockLinearFunction(torch.autograd.Function):
         M, K = x.shape
         N = weight.shape[0]
         x_rows, x_cols = quantize_act(x, backend=cfg.cast)
-        w, w_t = quantize_weight(weight.detach(), pad=True, backend=cfg.cast)
+        w, w_t = _weight_pair(weight, cfg)
         out = fp8_block_mm(x_rows, w, out_dtype, cfg.matmul)
         ctx.save_for_backward(x_cols.data, x_cols.scale, w_t.data, w_t.scale)
         ctx.cfg, ctx.shape, ctx.x_dtype, ctx.w_dtype = cfg, (M, K, N), x.dtype, weight.dtype
