@@ -320,8 +320,9 @@ GENERATIONS = [
     ((9, 0), "Hopper",
      "fp8_block matmul=cublas (cuBLAS 1x128/128x128, CUDA >= 12.9) or matmul=triton; mxfp8 exact"),
     ((10, 0), "Blackwell (data centre)",
-     "mxfp8 with tl.dot_scaled (native MX block-scaled MMA, mx_matmul backend triton_scaled; "
-     "compiled for sm_100 ahead of time, not yet run on a Blackwell GPU); fp8_block matmul=triton"),
+     "mxfp8 with tl.dot_scaled, the native MX block-scaled MMA (mx_matmul backend triton_scaled, "
+     "by name: compiled for sm_100 ahead of time, not yet run on a Blackwell GPU, so mxfp8's auto "
+     "stays on the exact path); fp8_block matmul=triton"),
 ]
 
 

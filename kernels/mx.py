@@ -40,9 +40,10 @@ EXACT_MATMULS = ("exact", "triton", "dequant_mm", "reference")
 #: dgrad weight source: cast from the master weight, or recast from the forward's MX weight
 DGRAD_WEIGHTS = ("master", "requant")
 #: what "auto" runs for CUDA operands (the fastest exact path measured, see docs/mx.md), and on
-#: data-centre Blackwell (compute capability 10.x), whose tensor cores apply MX scales themselves
+#: data-centre Blackwell (compute capability 10.x). ``triton_scaled`` (Blackwell's native MX MMA)
+#: becomes Blackwell's auto once it has run and passed there; until then auto stays exact
 AUTO_CUDA_MATMUL = "dequant_mm"
-AUTO_BLACKWELL_MATMUL = "triton_scaled"
+AUTO_BLACKWELL_MATMUL = "dequant_mm"
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ELEM_DTYPES = {f.dtype: name for name, f in FORMATS.items()}
 
