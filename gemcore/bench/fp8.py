@@ -7,8 +7,9 @@ behind a spacer kernel) and host included (each call from an idle GPU, as a call
   and ``fp8_block`` (1x128 activations times 128x128 weights) through each backend. The fast
   paths' relative Frobenius error against float64 of the dequantized operands is checked on the
   first 128 rows (bound 1e-3).
-* Linear forward+backward (6·tokens·K·N FLOPs): ``nn.Linear`` under bf16 autocast (anchor) and
-  ``FP8BlockLinear`` (casts included).
+* Linear forward+backward (6·tokens·K·N FLOPs): ``nn.Linear`` under bf16 autocast (anchor),
+  a rowwise FP8 linear (all three GEMMs rowwise, casts in eager PyTorch) and ``FP8BlockLinear``
+  (casts included).
 * Casts of a bf16 (tokens, K) activation and a (N, K) weight, GB/s = bytes read + written
   (2 read, 1 written per element and layout, plus 4 bytes a block's scale), beside the
   device-to-device copy (the limit) and ``torch.compile`` of a plain-PyTorch 1x128 cast (and of
@@ -58,6 +59,39 @@ def _rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = x.abs().amax(dim=1, keepdim=True).float().clamp_min(1e-12)
     scale = amax / 448.0
     return (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+
+def _rowwise_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a (M, K) @ b (N, K)^T with both cast per row (along K) to FP8, through torch._scaled_mm."""
+    (a8, sa), (b8, sb) = _rowwise(a), _rowwise(b)
+    return torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb.t(), out_dtype=out_dtype)
+
+
+class _RowwiseFP8Linear(torch.autograd.Function):
+    """y = x Wᵀ with all three GEMMs in rowwise FP8 (torchao's float8 "rowwise" recipe: each
+    operand scaled per row along its GEMM's K). The reference row of the benchmark."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return _rowwise_mm(x, weight.to(x.dtype), x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = _rowwise_mm(dy, weight.to(dy.dtype).t().contiguous(), x.dtype)
+        dw = _rowwise_mm(dy.t().contiguous(), x.t().contiguous(), torch.float32)
+        return dx, dw.to(weight.dtype)
+
+
+class RowwiseFP8Linear(torch.nn.Linear):
+    """``nn.Linear`` through :class:`_RowwiseFP8Linear` (bf16 in, bf16 out), for the benchmark."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            y = _RowwiseFP8Linear.apply(x.reshape(-1, self.in_features).to(torch.bfloat16), self.weight)
+            return y.reshape(*x.shape[:-1], self.out_features) + self.bias.to(y.dtype)
 
 
 def bench_gemm(M: int, K: int, N: int) -> list[Row]:
@@ -112,6 +146,10 @@ def bench_linear(tokens: int, K: int, N: int) -> list[Row]:
 
     flops = 6.0 * tokens * K * N
     rows = [_row(group, "nn.Linear bf16 autocast (anchor)", step(lin), flops, "TFLOP/s")]
+    rowwise = RowwiseFP8Linear(K, N, device="cuda")
+    rowwise.load_state_dict(lin.state_dict())
+    rows.append(_row(group, "rowwise fp8 linear (torchao float8 recipe, eager casts)", step(rowwise), flops,
+                     "TFLOP/s", rows[0].rate or None))
     for backend in ("cublas", "triton"):
         rows.append(_row(group, f"FP8BlockLinear {backend} (casts + 3 GEMMs)",
                          step(fb.FP8BlockLinear.from_linear(lin, matmul=backend)), flops, "TFLOP/s",
