@@ -273,7 +273,7 @@ def fp8_block_mm(a: BlockFP8, b: BlockFP8, out_dtype: torch.dtype = torch.bfloat
     if backend == "reference":
         return fp8_block_mm_reference(a.data, a.scale, b.data, b.scale, out_dtype)
     M, N = a.data.shape[0], b.data.shape[0]
-    if M == 0 or N == 0:
+    if M == 0 or N == 0 or a.data.shape[1] == 0:  # (an empty batch's wgrad contracts over 0 tokens)
         return torch.zeros((M, N), dtype=out_dtype, device=a.data.device)
     if backend == "triton":
         from gemcore.kernels.fp8_block_triton import fp8_block_mm_triton

@@ -134,6 +134,15 @@ LINEAR_SHAPES = [(150, 256, 384), (1, 64, 40)] if INTERPRET else [(3000, 1024, 3
 
 
 @pytest.mark.parametrize("backend", FAST)
+def test_fast_linear_on_an_empty_batch(backend):
+    lin = fb.FP8BlockLinear(128, 256, matmul=backend).to(DEVICE)
+    x = torch.zeros(0, 128, device=DEVICE, requires_grad=True)
+    y = lin(x)
+    y.sum().backward()
+    assert y.shape == (0, 256) and x.grad.shape == (0, 128) and torch.all(lin.weight.grad == 0)
+
+
+@pytest.mark.parametrize("backend", FAST)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("M,K,N", LINEAR_SHAPES)
 def test_fast_linear_against_float64(backend, kind, M, K, N):
