@@ -25,10 +25,15 @@ from gemcore.bench.mx import Row
 from gemcore.bench.timing import median_ms
 
 SQUARE = 8192
+BLOCK_ROWS = 128  # the weights' blocks are 128x128
 #: (tokens, K, N) of the GEM model's projections (hidden 1024, MLP 4096): qkv, out, MLP up and down
 MODEL_SHAPES = [(24576, 1024, 3072), (24576, 1024, 1024), (24576, 1024, 4096), (24576, 4096, 1024)]
 LINEAR_SHAPES = [(24576, 1024, 3072), (24576, 4096, 1024), (8192, 8192, 8192)]
 BOUND = 1e-3
+#: other tiles of the Triton GEMM timed at 8192^3 (the default is MM_TILE)
+TRITON_TILES = [dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
+                dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=4, num_stages=4),
+                dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=5)]
 
 
 def _times(fn) -> tuple[float, float]:
@@ -94,7 +99,7 @@ class RowwiseFP8Linear(torch.nn.Linear):
             return y.reshape(*x.shape[:-1], self.out_features) + self.bias.to(y.dtype)
 
 
-def bench_gemm(M: int, K: int, N: int) -> list[Row]:
+def bench_gemm(M: int, K: int, N: int, tiles: list[dict] = ()) -> list[Row]:
     from gemcore.kernels import fp8_block as fb
 
     group = f"fp8 gemm {M}x{K}x{N}"
@@ -116,7 +121,7 @@ def bench_gemm(M: int, K: int, N: int) -> list[Row]:
     w, _ = fb.quantize_weight(w16, transpose=False)
     a_head = fb.BlockFP8(a.data[:128], fb._col_major(a.scale[:128]), 1)
     want = a_head.dequantize(torch.float64) @ w.dequantize(torch.float64).t()
-    for backend in ("cublas", "triton"):
+    for backend in ("cublas", "scaled_mm", "triton"):
         def check(backend=backend) -> str:
             err = _rel_err(fb.fp8_block_mm(a, w, torch.float32, backend=backend), want)
             return f"rel err {err:.1e} {'<=' if err <= BOUND else 'ABOVE'} {BOUND:g}"
@@ -124,6 +129,14 @@ def bench_gemm(M: int, K: int, N: int) -> list[Row]:
         rows.append(_row(group, f"fp8_block {backend} (1x128 x 128x128)",
                          lambda backend=backend: fb.fp8_block_mm(a, w, torch.bfloat16, backend=backend),
                          flops, "TFLOP/s", anchor, check=check))
+    from gemcore.kernels.fp8_block_triton import fp8_block_mm_triton
+
+    for tile in tiles:
+        def run(out_dtype, tile=tile):
+            return fp8_block_mm_triton(a.data, a.scale, w.data, w.scale, BLOCK_ROWS, out_dtype, tile=tile)
+
+        rows.append(_row(group, f"fp8_block triton {tile}", lambda run=run: run(torch.bfloat16), flops,
+                         "TFLOP/s", anchor, check=lambda run=run: f"rel err {_rel_err(run(torch.float32), want):.1e}"))
     return rows
 
 
@@ -150,7 +163,7 @@ def bench_linear(tokens: int, K: int, N: int) -> list[Row]:
     rowwise.load_state_dict(lin.state_dict())
     rows.append(_row(group, "rowwise fp8 linear (torchao float8 recipe, eager casts)", step(rowwise), flops,
                      "TFLOP/s", rows[0].rate or None))
-    for backend in ("cublas", "triton"):
+    for backend in ("cublas", "scaled_mm", "triton"):
         rows.append(_row(group, f"FP8BlockLinear {backend} (casts + 3 GEMMs)",
                          step(fb.FP8BlockLinear.from_linear(lin, matmul=backend)), flops, "TFLOP/s",
                          rows[0].rate or None))
@@ -215,7 +228,7 @@ def bench_cast(tokens: int, K: int) -> list[Row]:
 
 def fp8_rows() -> list[Row]:
     rows = bench_cast(24576, 4096)
-    rows += bench_gemm(SQUARE, SQUARE, SQUARE)
+    rows += bench_gemm(SQUARE, SQUARE, SQUARE, TRITON_TILES)
     for M, K, N in MODEL_SHAPES:
         rows += bench_gemm(M, K, N)
     for shape in LINEAR_SHAPES:
