@@ -88,6 +88,11 @@ class PrecisionConfig:
     mx_keep: list[str] = _f(["router", "head"], "mxfp8: module-name parts kept in high precision")
     mx_fsdp_all_gather: bool = _f(True, "mxfp8: under FSDP2 (several ranks) all-gather the MX layers' weights in MX "
                                   "(1 + 1/32 bytes an element) and recast the dgrad weight from them")
+    fp8_matmul: Literal["auto", "reference", "cublas", "scaled_mm", "triton"] = _f(
+        "auto", "fp8_block: GEMM backend (auto: reference on CPU, on CUDA only a backend verified on that GPU)")
+    fp8_keep: list[str] = _f(["router", "head"], "fp8_block: module-name parts kept in high precision")
+    fp8_fsdp_all_gather: bool = _f(True, "fp8_block: under FSDP2 (several ranks) all-gather the FP8 layers' weights "
+                                   "in FP8 (1 byte an element plus a float32 scale per 128x128 block)")
 
 
 @dataclass

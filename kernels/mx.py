@@ -31,14 +31,19 @@ ELEMS = tuple(FORMATS)
 CAST_BACKENDS = ("auto", "triton", "reference")
 #: "triton": bf16 MMA on tiles dequantized in registers; "triton_fp8": FP8 MMA per 32-wide K block;
 #: "triton_scaled": ``tl.dot_scaled`` (Blackwell's block-scaled MMA; emulated by Triton elsewhere);
-#: "dequant_mm": Triton dequantize to bf16, then torch.mm (cuBLAS); "reference": PyTorch.
-MATMUL_BACKENDS = ("auto", "triton", "triton_fp8", "triton_scaled", "dequant_mm", "reference")
+#: "dequant_mm": Triton dequantize to bf16, then torch.mm (cuBLAS); "reference": PyTorch;
+#: "exact": the exact path for the operands' device (dequant_mm on CUDA, reference elsewhere).
+#: Exact paths are within 1e-4 of float64 of the dequantized operands; fast paths (FP8 or
+#: block-scaled MMA: triton_fp8, triton_scaled) within 1e-3 (docs/mx.md).
+MATMUL_BACKENDS = ("auto", "exact", "triton", "triton_fp8", "triton_scaled", "dequant_mm", "reference")
+EXACT_MATMULS = ("exact", "triton", "dequant_mm", "reference")
 #: dgrad weight source: cast from the master weight, or recast from the forward's MX weight
 DGRAD_WEIGHTS = ("master", "requant")
 #: what "auto" runs for CUDA operands (the fastest exact path measured, see docs/mx.md), and on
-#: data-centre Blackwell (compute capability 10.x), whose tensor cores apply MX scales themselves
+#: data-centre Blackwell (compute capability 10.x). ``triton_scaled`` (Blackwell's native MX MMA)
+#: becomes Blackwell's auto once it has run and passed there; until then auto stays exact
 AUTO_CUDA_MATMUL = "dequant_mm"
-AUTO_BLACKWELL_MATMUL = "triton_scaled"
+AUTO_BLACKWELL_MATMUL = "dequant_mm"
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ELEM_DTYPES = {f.dtype: name for name, f in FORMATS.items()}
 
@@ -191,6 +196,8 @@ def mx_matmul(a: MXTensor, b: MXTensor, out_dtype: torch.dtype = torch.bfloat16,
         raise ValueError(f"backend must be one of {MATMUL_BACKENDS}, got {backend!r}")
     if backend == "auto":
         backend = _auto_matmul(a.data)
+    if backend == "exact":
+        backend = "dequant_mm" if a.data.is_cuda else "reference"
     if backend != "reference" and not (a.data.is_cuda or _interpreting()):
         raise ValueError(f"backend={backend!r} needs CUDA operands, got {a.device}")
     if backend == "reference":

@@ -130,10 +130,19 @@ class MXShardedWeight(torch.Tensor):
             if id(t) in wrappers:  # an in-place op returned its (wrapped) input
                 return wrappers[id(t)]
             if keep:
-                return MXShardedWeight(t, like.elem, like.scale_rule, like.cast_backend)
+                return like._rewrap(t)
             return t
 
         return tree_map(rewrap, out)
+
+    def _rewrap(self, t: torch.Tensor) -> "MXShardedWeight":
+        """``t`` (a view or copy of the master) wrapped like this tensor."""
+        return MXShardedWeight(t, self.elem, self.scale_rule, self.cast_backend)
+
+    def _cast_master(self) -> MXTensor:
+        """The master values MX-cast along the last axis (in_features)."""
+        return quantize_mx(self.master, elem=self.elem, axis=-1, scale_rule=self.scale_rule,
+                           backend=self.cast_backend)
 
     # ------------------------------------------------------------------ the MX form of the shard
     def mx_shard(self) -> MXTensor:
@@ -141,8 +150,7 @@ class MXShardedWeight(torch.Tensor):
         key = (self.master._version, self.master.data_ptr())
         if self._cached is None or self._cached[0] != key:
             with torch.no_grad():
-                cast = quantize_mx(self.master, elem=self.elem, axis=-1, scale_rule=self.scale_rule,
-                                   backend=self.cast_backend)
+                cast = self._cast_master()
             self.casts += 1
             self._cached = (key, cast)
         return self._cached[1]

@@ -247,6 +247,7 @@ def test_mx_matmul_reference(M, K, N):
     got = mx.mx_matmul(a, b, out_dtype=torch.float32)
     assert got.shape == (M, N) and got.dtype == torch.float32
     assert rel_err(got, want) <= 1e-4
+    assert torch.equal(mx.mx_matmul(a, b, out_dtype=torch.float32, backend="exact"), got)  # the exact path
     assert mx.mx_matmul(a, b).dtype == torch.bfloat16
     # a transposed view is blocked along the other axis: (K, M) blocked along K, transposed
     at = mx.quantize_mx(torch.randn(K, M, generator=g), axis=0).t()

@@ -4,7 +4,8 @@ Cast (8192 x 8192 bf16 by default): bytes moved = 2 read + 1 + 1/32 written per 
 orientation (2 + 2 + 2/32 for both in one pass), beside the device-to-device copy (the limit for any
 cast) and a plain-PyTorch cast under ``torch.compile``. GEMM (8192^3 and training
 shapes): useful FLOPs 2·M·N·K, beside cuBLAS bf16 ``a @ b`` and ``torch._scaled_mm`` FP8 with
-tensor-wise scales. MXLinear: forward + backward of (tokens, K -> N) beside bf16 ``nn.Linear``.
+tensor-wise scales. MXLinear: forward + backward of (tokens, K -> N) beside bf16 ``nn.Linear``. Block-scaled FP8
+(DeepSeek-V3's recipe) and rowwise FP8: :mod:`gemcore.bench.fp8`.
 Each row's exactness is checked on the benchmark's inputs (casts bit for bit against the
 reference on a slice; GEMMs against a float64 product of the dequantized operands on a slice).
 """
@@ -66,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--size", type=int, default=8192, help="cast: SIZE x SIZE bf16; GEMM: SIZE^3")
     p.add_argument("--sweep", action="store_true", help="try every tile in CAST_TILES/GEMM_TILES")
-    p.add_argument("--skip", default="", help="comma list of parts to skip: cast,gemm,shapes,linear")
+    p.add_argument("--skip", default="", help="comma list of parts to skip: cast,gemm,shapes,linear,fp8")
     p.add_argument("--host-launch", action="store_true",
                    help="cast: time each call with the host's launch included (default: GPU time alone)")
 
@@ -243,6 +244,10 @@ def run(args: argparse.Namespace) -> int:
             rows += bench_gemm(M, K, N, False, backends=("triton", "dequant_mm"))
     if "linear" not in skip:
         rows += bench_linear(16384, 8192, 8192)
+    if "fp8" not in skip:
+        from gemcore.bench.fp8 import fp8_rows
+
+        rows += fp8_rows()
     if args.json:
         print(json.dumps({"device": device, "torch": torch.__version__, "rows": [asdict(r) for r in rows]}, indent=1))
         return 0

@@ -63,6 +63,24 @@ def training_carriers(manager) -> dict[str, str]:
     return out
 
 
+def _print_low_precision() -> None:
+    """What each GPU generation gets for low-precision training, and the fp8_block GEMM backends here."""
+    import torch
+
+    from gemcore.kernels import fp8_block
+
+    here = {fp8_block.generation_of(torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())} \
+        if torch.cuda.is_available() else set()
+    print("low precision by GPU generation (compute capability):")
+    for cap, name, routes in fp8_block.generation_routes():
+        mark = " (this machine)" if any(f"{c[0]}.{c[1]}" == cap for c in here) else ""
+        print(f"  {cap:5s} {name}{mark}: {routes}")
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    status = fp8_block.matmul_backend_status(device)
+    print("  fp8_block GEMM backends here: " + ", ".join(
+        name if reason is None else f"{name} (unusable: {reason})" for name, reason in status.items()))
+
+
 def run(args: argparse.Namespace) -> int:
     config, manager = load_from_args(args)
     print("versions:")
@@ -72,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     print("GPUs:" + ("" if found else " none (CPU only)"))
     for g in found:
         print(f"  {g}")
+    _print_low_precision()
     print("implementations:")
     from gemcore.plugin_manager import HOOK_POINTS
 
