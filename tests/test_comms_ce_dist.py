@@ -37,7 +37,7 @@ def test_dist_conformance_on_one_gpu():
 
 def test_bench_smoke_through_torch_distributed():
     proc = _torchrun("-m", "gemcore.cli.main", "bench", "comms", "--backend", "ce", "--api", "dist", "--op",
-                     "all_gather,reduce_scatter,all_reduce", "--min", "4K", "--max", "64K", "--step-factor", "4",
+                     "all_gather,reduce_scatter,all_reduce", "--min-bytes", "4K", "--max-bytes", "64K", "--step-factor", "4",
                      "--iters", "5", "--warmup", "2", "--anchor")
     out = proc.stdout
     for op in ("all_gather", "reduce_scatter", "all_reduce"):
@@ -49,5 +49,5 @@ def test_bench_smoke_through_torch_distributed():
 def test_sm_free_profile(extra):
     """No kernel inside the copy-engine exchanges; the reductions' kernels are the counted ones."""
     proc = _torchrun("-m", "gemcore.cli.main", "bench", "comms", "--backend", "ce", "--sm-free", "--op",
-                     "all_gather,reduce_scatter", "--max", "4M", "--iters", "3", *extra)
+                     "all_gather,reduce_scatter", "--max-bytes", "4M", "--iters", "3", *extra)
     assert "FAIL" not in proc.stdout and proc.stdout.count("PASS") >= 4, proc.stdout

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from gemcore.kernels import jagged_attention
+from gemcore.kernels.jagged_attention import jagged_attention
 
 
 def per_call_us(fn, n=300):
