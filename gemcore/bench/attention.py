@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -26,8 +25,9 @@ from unittest import mock
 import torch
 
 from gemcore.bench.timing import median_ms
+from gemcore.data.workloads import ATTENTION_WORKLOADS as WORKLOADS
+from gemcore.data.workloads import workload_lengths
 
-WORKLOADS = ("dense95", "heavytail", "cross")
 ANCHORS = ("sdpa", "varlen", "flex", "nested")
 
 
@@ -40,31 +40,6 @@ class Row:
     fwdbwd_tflops: float | None
     peak_gb: float | None
     note: str = ""
-
-
-def lengths_for(kind: str, B: int, max_len: int, gen: torch.Generator) -> torch.Tensor:
-    """ANCHORS.md's length laws."""
-    if kind == "dense95":
-        return torch.randint(int(0.9 * max_len), max_len, (B,), generator=gen)
-    if kind == "heavytail":
-        x = torch.empty(B).log_normal_(math.log(max_len / 16), 1.2, generator=gen)
-        return x.clamp(8, max_len).long()
-    if kind == "uniform":
-        return torch.randint(1, max_len + 1, (B,), generator=gen)
-    raise ValueError(kind)
-
-
-def workload_lengths(workload: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(q lengths, kv lengths or None for self-attention), seeded as ANCHORS.md says."""
-    gen = torch.Generator().manual_seed(0)
-    dense = lengths_for("dense95", 256, 2048, gen)
-    if workload == "dense95":
-        return dense, None
-    heavy = lengths_for("heavytail", 256, 4096, gen)
-    if workload == "heavytail":
-        return heavy, None
-    gen = torch.Generator().manual_seed(0)
-    return lengths_for("uniform", 1152, 2048, gen), torch.full((1152,), 256, dtype=torch.long)
 
 
 def useful_fwd_flops(q_lens: torch.Tensor, kv_lens: torch.Tensor | None, H: int, D: int,
