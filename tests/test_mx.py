@@ -449,3 +449,17 @@ def test_mxlinear_tensor_parallel_bad_layouts(one_rank_group):
     replicated.weight = nn.Parameter(distribute_tensor(replicated.weight.detach(), mesh, [Replicate()]))
     with pytest.raises(ValueError, match="neither Shard"):
         replicated(torch.randn(4, 32))
+
+
+def test_mx_policy_options_come_from_the_precision_config():
+    from gemcore.config import PrecisionConfig
+    from gemcore.plugins.precision_mx import MXPrecisionPolicy, make_policy
+
+    default = PrecisionConfig()
+    for policy in (MXPrecisionPolicy(), make_policy(PrecisionConfig(impl="mxfp8")), make_policy(object())):
+        assert (policy.mx_config.elem, policy.mx_config.grad_elem, policy.mx_config.scale_rule) == \
+            (default.mx_elem, default.mx_grad_elem, default.mx_scale_rule)
+        assert (policy.min_features, list(policy.keep), policy.fsdp_all_gather) == \
+            (default.mx_min_features, default.mx_keep, default.mx_fsdp_all_gather)
+    chosen = make_policy(PrecisionConfig(impl="mxfp8", mx_scale_rule="floor", mx_keep=["head"], mx_min_features=64))
+    assert (chosen.mx_config.scale_rule, chosen.keep, chosen.min_features) == ("floor", ("head",), 64)
