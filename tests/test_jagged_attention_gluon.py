@@ -20,7 +20,13 @@ from gemcore.kernels import jagged_attention  # noqa: E402
 from gemcore.kernels.jagged_attention_reference import jagged_attention_reference  # noqa: E402
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100 / H200)")
+
+
+def needs_hopper(test):
+    """Marks a GPU test that runs on an sm_90 GPU only."""
+    return pytest.mark.gpu(pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100 / H200)")(test))
+
+
 ACTIVATIONS = ["softmax", "silu", "gelu", "gelu_tanh", "relu", "relu2", "identity"]
 # tile borders of the 128-row query tiles and 64-row key tiles, empty and length-1 sequences
 LENGTHS = [0, 1, 2, 63, 64, 65, 127, 128, 129, 300, 1000, 2048, 5]

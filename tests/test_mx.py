@@ -395,6 +395,7 @@ def test_loss_parity():
 
 
 # --------------------------------------------------------------------------- Triton in the interpreter
+@pytest.mark.slow
 def test_triton_kernels_in_interpreter():
     """Runs test_mx_triton.py with TRITON_INTERPRET=1 (it must be set before triton is imported)."""
     pytest.importorskip("triton")

@@ -16,6 +16,7 @@ import torch
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available()
 pytestmark = [
+    pytest.mark.gpu,
     pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs a CUDA GPU or TRITON_INTERPRET=1 (run by test_mx.py)"),
     # NaN blocks' discarded element arithmetic casts NaN to int in the interpreter's NumPy
     pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning"),
