@@ -9,9 +9,13 @@ Recognised launchers, first match wins:
 * MPICH / Intel MPI (Hydra): ``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``.
 * a plain ``RANK``/``WORLD_SIZE`` environment (any other torch.distributed launcher).
 * nothing: a single process, world 1.
+
+:func:`detect` reports what the launcher said; :func:`detect_placement` also fills in the local
+rank and size where the launcher is silent (one node assumed), for code that must pick a GPU.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Literal, Mapping
@@ -78,6 +82,21 @@ def detect(environ: Mapping[str, str] | None = None) -> LaunchInfo:
     if local_rank is not None and local_size is not None and not 0 <= local_rank < local_size:
         raise ValueError(f"{local_var}={local_rank} is outside [0, {local_size_var}={local_size})")
     return LaunchInfo(launcher, rank, world, local_rank, local_size)
+
+
+def detect_placement(environ: Mapping[str, str] | None = None) -> LaunchInfo:
+    """:func:`detect`, with ``local_rank`` and ``local_size`` always integers.
+
+    Where the launcher gives no local rank (a plain ``RANK``/``WORLD_SIZE`` environment, or MPICH
+    without ``MPI_LOCALRANKID``), the job is taken to run on one node: the local rank is the rank
+    and the local size the world size.
+
+    :raises ValueError: as :func:`detect`.
+    """
+    info = detect(environ)
+    local_rank = info.rank if info.local_rank is None else info.local_rank
+    local_size = info.world_size if info.local_size is None else info.local_size
+    return dataclasses.replace(info, local_rank=local_rank, local_size=local_size)
 
 
 def _int(env: Mapping[str, str], name: str) -> int | None:

@@ -58,7 +58,7 @@ class ModelConfig:
 class DataConfig:
     source: Literal["synthetic", "jsonl", "parquet"] = _f("synthetic", "where samples come from")
     path: str = _f("", "file for the jsonl/parquet sources")
-    kind: Literal["heavytail", "dense95", "uniform"] = _f("heavytail", "history-length law (docs/benchmarks.md, Workloads)")
+    kind: Literal["heavytail", "dense95", "uniform"] = _f("heavytail", "history-length law (gemcore.data.workloads)")
     num_users: int = _f(8192, "synthetic users (samples)")
     max_len: int = _f(256, "longest history, in events")
     num_candidates: int = _f(4, "candidate items scored per user")

@@ -89,8 +89,10 @@ def gemcore_samplers() -> Mapping[str, Callable[..., Any]]:
 
     :return: ``{name: factory}``. ``factory(lengths, *, batch_size, world_size, rank, seed,
         drop_last)`` with ``lengths: (N,)`` int64 history lengths of the dataset returns an object
-        that iterates over lists of sample indices (one list per step for this rank) and has
-        ``set_epoch(e)``, ``state_dict()`` and ``load_state_dict(d)``. ``batch_size`` is the
+        that iterates over one epoch of lists of sample indices (one list per step for this rank;
+        ``len()`` of them after ``set_epoch(e)``, the rest of the epoch after a mid-epoch
+        ``load_state_dict(d)``) and has ``set_epoch(e)``, ``state_dict()`` and
+        ``load_state_dict(d)``; the trainer calls ``set_epoch(e + 1)`` to start the next epoch. ``batch_size`` is the
         global batch in samples. ``data.sampler`` selects one. A factory may also take the optional
         keywords ``cost`` (callable: lengths (N,) int64 -> (N,) float64 per-sample training FLOPs,
         history plus candidates) and ``sub_batch`` (int); the trainer passes them only to factories

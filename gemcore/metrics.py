@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import torch
 
-#: dense bf16 tensor-core peak, FLOP/s, by a substring of the CUDA device name (datasheets).
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12}
+from gemcore.planner.cluster import GPUS
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
@@ -25,11 +24,20 @@ def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
 
 
 def peak_flops(device: torch.device) -> float | None:
-    """Peak dense bf16 FLOP/s of ``device`` if known (None on CPU or an unknown GPU)."""
+    """Peak dense bf16 FLOP/s of ``device`` if known (None on CPU or an unknown GPU).
+
+    The GPU is looked up by name in the planner's table (:data:`gemcore.planner.cluster.GPUS`).
+    """
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, flops in PEAK_BF16_FLOPS.items():
-        if key in name:
-            return flops
+    return peak_flops_of_name(torch.cuda.get_device_name(device))
+
+
+def peak_flops_of_name(device_name: str) -> float | None:
+    """Peak dense bf16 FLOP/s of the GPU whose CUDA name (e.g. "NVIDIA H200") contains a kind of
+    :data:`gemcore.planner.cluster.GPUS`; None if none matches."""
+    name = device_name.lower()
+    for kind, gpu in GPUS.items():
+        if kind in name:
+            return gpu.peak_bf16_tflops * 1e12
     return None

@@ -7,9 +7,14 @@ checkpoint.pt / summary.json / curves.png in the run folder (written by rank 0 o
 model (pp > 1: it has ``forward_backward``) trains through that method, its checkpoint is merged
 from the stages (gemcore/parallel/pipeline.py) and global rank 0 writes.
 
+The trainer drives the epochs as torch's samplers expect: it iterates the sampler over one epoch
+(``len(sampler)`` steps), then calls ``set_epoch(epoch + 1)`` and iterates again, until
+``run.max_steps``.
+
 Resume is exact: the checkpoint holds the model, optimizer, LR schedule, gradient scaler, sampler
-and RNG states and the step, and the loop consumes exactly one sampler step per optimizer step, so
-on CPU N steps + resume to 2N gives the same losses, bit for bit, as 2N steps in one go.
+(epoch and step within it) and RNG states, the epoch and the step, and the loop consumes exactly
+one sampler step per optimizer step, so on CPU N steps + resume to 2N gives the same losses, bit
+for bit, as 2N steps in one go.
 """
 from __future__ import annotations
 
@@ -182,6 +187,8 @@ class Trainer:
             self.train_data.lengths, batch_size=config.data.batch_size, world_size=par.world_size,
             rank=par.rank, seed=config.run.seed, drop_last=False,
             **_accepted(self.parts.sampler_factory, options))
+        self.epoch = 0
+        self.sampler.set_epoch(self.epoch)
         self.peak = peak_flops_per_s if peak_flops_per_s else peak_flops(self.device)
         self.step = 0
         self.resumed_from: int | None = None
@@ -206,7 +213,7 @@ class Trainer:
             model_state, optim_state = full_state_dict(unwrap(self.model), self.optimizer)
         else:
             model_state, optim_state = self.model.state_dict(), self.optimizer.state_dict()
-        return {"format_version": checkpoint.FORMAT_VERSION, "step": self.step,
+        return {"format_version": checkpoint.FORMAT_VERSION, "step": self.step, "epoch": self.epoch,
                 "config": self.config.to_dict(), "model": model_state,
                 "optimizer": optim_state, "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(), "sampler": self.sampler.state_dict(),
@@ -235,6 +242,7 @@ class Trainer:
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.sampler.load_state_dict(state["sampler"])
+        self.epoch = int(state.get("epoch", 0))
         torch.set_rng_state(state["rng_torch"])
         if state.get("rng_cuda") is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state_all(state["rng_cuda"])
@@ -323,11 +331,7 @@ class Trainer:
         log_every = max(1, cfg.run.log_every)
         rows: list[dict[str, Any]] = []
         pending: list[dict[str, Any]] = []
-        # num_workers=0: the loader asks the sampler for exactly one index list per step, so the
-        # sampler's state in a checkpoint is the data position (exact resume)
-        batches = iter(torch.utils.data.DataLoader(
-            self.train_data, batch_sampler=self.sampler, collate_fn=_collated,
-            pin_memory=self.device.type == "cuda"))
+        batches = self._batches()
         metrics_file = (self.run_dir / "metrics.jsonl").open("a") if self.is_main else None
         t_start = t_last = time.perf_counter()
         steps_done, stopped = 0, "max_steps"
@@ -374,6 +378,31 @@ class Trainer:
             if metrics_file is not None:
                 metrics_file.close()
         return rows, stopped
+
+    def _batches(self):
+        """Training batches, epoch after epoch: the rest of the sampler's current epoch (all of it
+        unless resumed mid-epoch), then ``set_epoch(epoch + 1)`` and the next one.
+
+        :raises ValueError: a whole epoch holds no step (fewer samples than one batch with
+            ``drop_last``).
+        """
+        # num_workers=0: the loader asks the sampler for exactly one index list per step, so the
+        # sampler's state in a checkpoint is the data position (exact resume)
+        loader = torch.utils.data.DataLoader(self.train_data, batch_sampler=self.sampler, collate_fn=_collated,
+                                             pin_memory=self.device.type == "cuda")
+        fresh_epoch = False  # a resumed epoch may have no step left; a fresh one must have one
+        while True:
+            steps = 0
+            for batch in loader:
+                steps += 1
+                yield batch
+            if steps == 0 and fresh_epoch:
+                raise ValueError(f"the {self.config.data.sampler!r} sampler yields no step in epoch "
+                                 f"{self.epoch} ({len(self.train_data)} training samples, data.batch_size = "
+                                 f"{self.config.data.batch_size})")
+            self.epoch += 1
+            self.sampler.set_epoch(self.epoch)
+            fresh_epoch = True
 
     def _out_of_time(self, elapsed_s: float) -> bool:
         """Past ``train.max_time_s``? With several ranks, any rank's clock stops all of them (one

@@ -63,22 +63,33 @@ def _tanh_fast(x):
 
 
 @gluon.jit
-def _pointwise(x, ACTIVATION: gl.constexpr):
-    """act(x) of the non-softmax activations, codes as ACTIVATION_CODES (x float32)."""
-    if ACTIVATION == 1:                            # silu: x sigmoid(x), sigmoid(x) = (1 + tanh(x/2)) / 2
-        y = x * (0.5 + 0.5 * _tanh_fast(0.5 * x))
+def _pointwise_and_grad(x, ACTIVATION: gl.constexpr):
+    """(act(x), act'(x)) of the non-softmax activations, codes as ACTIVATION_CODES (x float32): the
+    one Gluon definition of their math, the Gluon forward's and backward's; a caller that uses one
+    of the two leaves the other to dead-code elimination."""
+    if ACTIVATION == 1:                            # silu; sigmoid(x) = (1 + tanh(x/2)) / 2
+        sg = 0.5 + 0.5 * _tanh_fast(0.5 * x)
+        y = x * sg
+        g = sg + y * (1.0 - sg)
     elif ACTIVATION == 2:                          # gelu, erf form
-        y = 0.5 * x * (1.0 + gl.erf(x * 0.7071067811865476))
-    elif ACTIVATION == 3:                          # gelu, tanh form
-        y = 0.5 * x * (1.0 + _tanh_fast(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+        cdf = 0.5 * (1.0 + gl.erf(x * 0.7071067811865476))
+        y = x * cdf
+        g = cdf + x * 0.3989422804014327 * gl.exp(-0.5 * x * x)
+    elif ACTIVATION == 3:                          # gelu, tanh form: x·sg, sg = (1 + tanh u) / 2
+        sg = 0.5 + 0.5 * _tanh_fast(0.7978845608028654 * (x + 0.044715 * x * x * x))
+        y = x * sg
+        g = sg + y * 2.0 * (1.0 - sg) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x)
     elif ACTIVATION == 4:
         y = gl.maximum(x, 0.0)
+        g = gl.where(x > 0.0, 1.0, 0.0)
     elif ACTIVATION == 5:
         r = gl.maximum(x, 0.0)
         y = r * r
+        g = 2.0 * r
     else:
         y = x
-    return y
+        g = gl.full(x.shape, 1.0, gl.float32, x.type.layout)
+    return y, g
 
 
 @gluon.jit
@@ -179,7 +190,7 @@ def _activate(s, j, rows, seq_len, history, m_i, l_i, n_full, qk_scale, ACTIVATI
             half = s * (0.5 * qk_scale)
             p = half + half * _tanh_fast(half)
         else:
-            p = _pointwise(s * qk_scale, ACTIVATION)
+            p, _ = _pointwise_and_grad(s * qk_scale, ACTIVATION)
         if j >= n_full:
             p = gl.where(allowed, p, 0.0)
         alpha = m_i

@@ -30,9 +30,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from gemcore.kernels.jagged_attention_gluon import (_BLOCK_M, _CONSUMER_REGS, _PRODUCER_REGS, MAXNREG, _allowed,
-                                                    _dealt, _listed, _ring_barriers, _stream_tiles, _tanh_fast,
-                                                    _tma_load, _work_item, descriptor, on_hopper, packed_rows,
-                                                    sm_count, unsupported_reason)
+                                                    _dealt, _listed, _pointwise_and_grad, _ring_barriers,
+                                                    _stream_tiles, _tma_load, _work_item, descriptor, on_hopper,
+                                                    packed_rows, sm_count, unsupported_reason)
 from gemcore.kernels.jagged_attention_triton_common import ACTIVATION_CODES
 from gemcore.kernels.jagged_work_list import cached_lists
 
@@ -43,34 +43,6 @@ DKDV_TILE = (128, 64, 2)
 #: the Triton backward is kept for mean lengths below this (the Gluon one measured faster at mean
 #: 494 and 1945, both kinds; shorter ones are not measured)
 MIN_MEAN_LEN = 256
-
-
-@gluon.jit
-def _pointwise_and_grad(x, ACTIVATION: gl.constexpr):
-    """(act(x), act'(x)) of the non-softmax activations, codes as ACTIVATION_CODES (x float32)."""
-    if ACTIVATION == 1:                            # silu; sigmoid(x) = (1 + tanh(x/2)) / 2
-        sg = 0.5 + 0.5 * _tanh_fast(0.5 * x)
-        y = x * sg
-        g = sg + y * (1.0 - sg)
-    elif ACTIVATION == 2:                          # gelu, erf form
-        cdf = 0.5 * (1.0 + gl.erf(x * 0.7071067811865476))
-        y = x * cdf
-        g = cdf + x * 0.3989422804014327 * gl.exp(-0.5 * x * x)
-    elif ACTIVATION == 3:                          # gelu, tanh form: x·sg, sg = (1 + tanh u) / 2
-        sg = 0.5 + 0.5 * _tanh_fast(0.7978845608028654 * (x + 0.044715 * x * x * x))
-        y = x * sg
-        g = sg + y * 2.0 * (1.0 - sg) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x)
-    elif ACTIVATION == 4:
-        y = gl.maximum(x, 0.0)
-        g = gl.where(x > 0.0, 1.0, 0.0)
-    elif ACTIVATION == 5:
-        r = gl.maximum(x, 0.0)
-        y = r * r
-        g = 2.0 * r
-    else:
-        y = x
-        g = gl.full(x.shape, 1.0, gl.float32, x.type.layout)
-    return y, g
 
 
 @gluon.jit

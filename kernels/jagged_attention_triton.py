@@ -11,11 +11,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import warnings
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import triton
 
 from gemcore.kernels.jagged_attention_checks import check_values
 from gemcore.kernels.jagged_attention_triton_bwd import _jagged_attn_bwd_dkdv, _jagged_attn_bwd_dq
@@ -147,25 +148,36 @@ def _common(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale
     return q_off, kv_off, nt, B, H, nq_pooled, inv_norm, flags, max_q
 
 
-#: part ("forward" / "backward") -> why its Gluon kernels were turned off in this process
-_hopper_failures: dict[str, str] = {}
+#: the switches that turn the Gluon (Hopper) kernels off: both parts, the backward alone
+GLUON_SWITCH, GLUON_BWD_SWITCH = "GEMCORE_GLUON_ATTENTION", "GEMCORE_GLUON_ATTENTION_BWD"
+
+
+def _gluon_off(part: str) -> bool:
+    """Whether the user turned the Gluon ``part`` ("forward" / "backward") off by its switch."""
+    names = (GLUON_SWITCH,) if part == "forward" else (GLUON_SWITCH, GLUON_BWD_SWITCH)
+    return any(os.environ.get(name, "1") == "0" for name in names)
 
 
 @functools.lru_cache(maxsize=1)
 def _hopper_modules():
-    """(jagged_attention_gluon, jagged_attention_gluon_bwd), or None where this Triton has no
-    Gluon Hopper ops."""
+    """(jagged_attention_gluon, jagged_attention_gluon_bwd).
+
+    :raises RuntimeError: they do not load with the installed Triton, naming the error and the
+        switch that runs the Triton kernels instead.
+    """
     try:
         from gemcore.kernels import jagged_attention_gluon, jagged_attention_gluon_bwd
-    except (ImportError, AttributeError):
-        return None
+    except (ImportError, AttributeError) as exc:
+        raise RuntimeError(
+            f"gemcore: the Gluon (Hopper) attention kernels do not load with triton {triton.__version__} "
+            f"({type(exc).__name__}: {exc}); set {GLUON_SWITCH}=0 to run the Triton kernels instead") from exc
     return jagged_attention_gluon, jagged_attention_gluon_bwd
 
 
 def forward_kernel(q, k, v, offsets, kv_offsets=None, num_targets=None, causal: bool = True,
                    window_left: int = -1, window_right: int = -1, activation: str = "softmax") -> str:
     """Which forward the Triton backend runs on these inputs: "gluon-hopper" or "triton"."""
-    modules = _hopper_modules() if q.is_cuda and "forward" not in _hopper_failures else None
+    modules = _hopper_modules() if q.is_cuda and not _gluon_off("forward") else None
     if modules is not None and modules[0].gluon_forward_applies(
             q, k, v, offsets, kv_offsets, num_targets, causal, window_left, window_right, activation):
         return "gluon-hopper"
@@ -175,7 +187,7 @@ def forward_kernel(q, k, v, offsets, kv_offsets=None, num_targets=None, causal: 
 def backward_kernel(q, k, v, offsets, kv_offsets=None, num_targets=None, causal: bool = True,
                     window_left: int = -1, window_right: int = -1) -> str:
     """Which backward the Triton backend runs on these inputs: "gluon-hopper" or "triton"."""
-    modules = _hopper_modules() if q.is_cuda and "backward" not in _hopper_failures else None
+    modules = _hopper_modules() if q.is_cuda and not _gluon_off("backward") else None
     if modules is not None and modules[1].gluon_backward_applies(
             q, k, v, offsets, kv_offsets, num_targets, causal, window_left, window_right):
         return "gluon-hopper"
@@ -183,10 +195,12 @@ def backward_kernel(q, k, v, offsets, kv_offsets=None, num_targets=None, causal:
 
 
 def _run_hopper(part: str, *args, **kwargs):
-    """The Gluon ``part``'s result ("forward": (out, lse2); "backward": (dq, dk, dv)), or None once
-    it failed to build on this Triton or GPU (a Gluon API this code does not know, too little
-    shared memory): then that part is turned off for the process with one warning naming the
-    error, and the Triton kernels run."""
+    """The Gluon ``part``'s result ("forward": (out, lse2); "backward": (dq, dk, dv)).
+
+    :raises RuntimeError: it failed to build on this Triton or GPU (a Gluon API this code does not
+        know, too little shared memory), naming the error and the switch that runs the Triton
+        kernels instead; the Triton kernels never replace it unasked.
+    """
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
@@ -196,11 +210,11 @@ def _run_hopper(part: str, *args, **kwargs):
             return fwd_module.jagged_attention_fwd_hopper(*args, **kwargs)
         return bwd_module.jagged_attention_bwd_hopper(*args, **kwargs)
     except (CompilationError, OutOfResources) as exc:
-        _hopper_failures[part] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        warnings.warn(f"gemcore: the Gluon (Hopper) attention {part} failed to build here and is off "
-                      f"for this process; the Triton {part} runs instead ({_hopper_failures[part]})",
-                      RuntimeWarning, stacklevel=2)
-        return None
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        switch = f"{GLUON_SWITCH}=0" if part == "forward" else f"{GLUON_BWD_SWITCH}=0 (the backward alone)"
+        raise RuntimeError(
+            f"gemcore: the Gluon (Hopper) attention {part} failed to build here ({type(exc).__name__}: "
+            f"{first_line}); set {switch} to run the Triton {part} instead") from exc
 
 
 def _fwd(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, norm,
@@ -210,10 +224,8 @@ def _fwd(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, n
         window_right, max_seqlen)
     if forward_kernel(q, k, v, offsets, kv_offsets, num_targets, causal, window_left, window_right,
                       activation) == "gluon-hopper":
-        result = _run_hopper("forward", q, k, v, q_off, activation, causal, scale, inv_norm, max_seqlen,
-                             None if num_targets is None else nt, kv_offsets=None if kv_offsets is None else kv_off)
-        if result is not None:
-            return result
+        return _run_hopper("forward", q, k, v, q_off, activation, causal, scale, inv_norm, max_seqlen,
+                           None if num_targets is None else nt, kv_offsets=None if kv_offsets is None else kv_off)
     rows = B * nq_pooled if offsets is None else q.shape[0]
     out = q.new_empty(rows, H, v.shape[2])
     lse2 = torch.empty(rows if activation == "softmax" else 0, H, device=q.device,
@@ -239,10 +251,8 @@ def _bwd(do, q, k, v, out, lse2, offsets, kv_offsets, num_targets, activation, c
     do = do.reshape(-1, H, v.shape[2])
     if backward_kernel(q, k, v, offsets, kv_offsets, num_targets, causal, window_left,
                        window_right) == "gluon-hopper":
-        grads = _run_hopper("backward", do, q, k, v, out, lse2, q_off, activation, causal, scale, inv_norm,
-                            max_seqlen, None if num_targets is None else nt)
-        if grads is not None:
-            return grads
+        return _run_hopper("backward", do, q, k, v, out, lse2, q_off, activation, causal, scale, inv_norm,
+                           max_seqlen, None if num_targets is None else nt)
     if do.stride(-1) != 1:
         do = do.contiguous()
     # softmax: delta = rowsum(dO * O) is written by the dQ kernel, which therefore runs first

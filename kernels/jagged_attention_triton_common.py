@@ -43,21 +43,9 @@ def _sigmoid(x, FAST: tl.constexpr):
 
 @triton.jit
 def _act(x, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
-    """act(x) for the non-softmax activations (x float32); FAST as in :func:`_tanh`."""
-    if ACTIVATION == 1:
-        y = x * _sigmoid(x, FAST)
-    elif ACTIVATION == 2:
-        y = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
-    elif ACTIVATION == 3:
-        u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        y = x * _sigmoid(2.0 * u, FAST)  # 0.5 x (1 + tanh u) = x sigmoid(2u)
-    elif ACTIVATION == 4:
-        y = tl.maximum(x, 0.0)
-    elif ACTIVATION == 5:
-        r = tl.maximum(x, 0.0)
-        y = r * r
-    else:
-        y = x
+    """act(x) for the non-softmax activations (x float32); FAST as in :func:`_sigmoid`. The math is
+    :func:`_act_and_grad`'s (the unused derivative is dead code)."""
+    y, _ = _act_and_grad(x, ACTIVATION, FAST)
     return y
 
 

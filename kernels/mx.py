@@ -29,14 +29,13 @@ from gemcore.kernels.mx_reference import (BLOCK, FORMATS, SCALE_RULES, dequantiz
 
 ELEMS = tuple(FORMATS)
 CAST_BACKENDS = ("auto", "triton", "reference")
-#: "triton": bf16 MMA on tiles dequantized in registers; "triton_fp8": FP8 MMA per 32-wide K block;
-#: "triton_scaled": ``tl.dot_scaled`` (Blackwell's block-scaled MMA; emulated by Triton elsewhere);
-#: "dequant_mm": Triton dequantize to bf16, then torch.mm (cuBLAS); "reference": PyTorch;
+#: "dequant_mm": Triton dequantize to bf16, then torch.mm (cuBLAS); "triton_scaled": ``tl.dot_scaled``
+#: (Blackwell's block-scaled MMA; emulated by Triton elsewhere); "reference": PyTorch;
 #: "exact": the exact path for the operands' device (dequant_mm on CUDA, reference elsewhere).
-#: Exact paths are within 1e-4 of float64 of the dequantized operands; fast paths (FP8 or
-#: block-scaled MMA: triton_fp8, triton_scaled) within 1e-3 (docs/mx.md).
-MATMUL_BACKENDS = ("auto", "exact", "triton", "triton_fp8", "triton_scaled", "dequant_mm", "reference")
-EXACT_MATMULS = ("exact", "triton", "dequant_mm", "reference")
+#: Exact paths are within 1e-4 of float64 of the dequantized operands; the block-scaled MMA path
+#: (triton_scaled) within 1e-3 (docs/mx.md).
+MATMUL_BACKENDS = ("auto", "exact", "dequant_mm", "triton_scaled", "reference")
+EXACT_MATMULS = ("exact", "dequant_mm", "reference")
 #: dgrad weight source: cast from the master weight, or recast from the forward's MX weight
 DGRAD_WEIGHTS = ("master", "requant")
 #: what "auto" runs for CUDA operands (the fastest exact path measured, see docs/mx.md), and on
@@ -210,8 +209,7 @@ def mx_matmul(a: MXTensor, b: MXTensor, out_dtype: torch.dtype = torch.bfloat16,
         return _mm_bf16(a_bf, b_bf, out_dtype)
     from gemcore.kernels.mx_gemm import mx_matmul_triton
 
-    kernel = {"triton_fp8": "fp8", "triton_scaled": "scaled"}.get(backend, "dequant")
-    return mx_matmul_triton(a.data, a.scale, b.data, b.scale, out_dtype, kernel=kernel)
+    return mx_matmul_triton(a.data, a.scale, b.data, b.scale, out_dtype)
 
 
 def _auto_matmul(data: torch.Tensor) -> str:

@@ -13,9 +13,9 @@ FSDP2 then all-gathers them in MX (1 + 1/32 bytes an element instead of 2), cast
 from the master shards, and the layers recast their dgrad weight from the gathered one
 (``dgrad_weight="requant"``). One-process runs are left as they were.
 
-Options are read from the precision config when it has them (``mx_elem``, ``mx_grad_elem``,
-``mx_scale_rule``, ``mx_min_features``, ``mx_keep``, ``mx_fsdp_all_gather``); the defaults are
-:data:`DEFAULTS`.
+Options are read from the precision config (``mx_elem``, ``mx_grad_elem``, ``mx_scale_rule``,
+``mx_min_features``, ``mx_keep``, ``mx_fsdp_all_gather``); their defaults are those of
+:class:`gemcore.config.PrecisionConfig`, the one place they are written.
 """
 from __future__ import annotations
 
@@ -26,20 +26,15 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from gemcore.config import PrecisionConfig
 from gemcore.hookspecs import hookimpl
 from gemcore.kernels.mx import MXConfig, MXLinear, convert_to_mx
 from gemcore.precision import AutocastPolicy
 
 log = logging.getLogger(__name__)
 
-DEFAULTS: dict[str, Any] = {
-    "mx_elem": "e4m3",  # activations and weights
-    "mx_grad_elem": "e4m3",  # output gradients
-    "mx_scale_rule": "rceil",  # never saturates; "floor" is the spec's rule
-    "mx_min_features": 0,  # layers with min(in, out) below this stay in bf16
-    "mx_keep": ("router", "head"),  # module-name components that stay in bf16
-    "mx_fsdp_all_gather": True,  # under FSDP2 (several ranks): all-gather the weights in MX
-}
+_DEFAULTS = PrecisionConfig()  #: the MX options' defaults
+_OPTIONS = ("mx_elem", "mx_grad_elem", "mx_scale_rule", "mx_min_features", "mx_keep", "mx_fsdp_all_gather")
 
 
 def _launched_ranks() -> int:
@@ -51,9 +46,10 @@ def _launched_ranks() -> int:
 class MXPrecisionPolicy(AutocastPolicy):
     """bf16 autocast plus MX linear layers. ``converted``: names of the layers swapped by apply."""
 
-    def __init__(self, elem: str = "e4m3", grad_elem: str = "e4m3", scale_rule: str = "rceil",
-                 min_features: int = 0, keep: Sequence[str] = ("router", "head"),
-                 fsdp_all_gather: bool = True):
+    def __init__(self, elem: str = _DEFAULTS.mx_elem, grad_elem: str = _DEFAULTS.mx_grad_elem,
+                 scale_rule: str = _DEFAULTS.mx_scale_rule, min_features: int = _DEFAULTS.mx_min_features,
+                 keep: Sequence[str] = tuple(_DEFAULTS.mx_keep),
+                 fsdp_all_gather: bool = _DEFAULTS.mx_fsdp_all_gather):
         super().__init__("mxfp8", torch.bfloat16)
         self.mx_config = MXConfig(elem=elem, grad_elem=grad_elem, scale_rule=scale_rule)
         if not isinstance(min_features, int) or min_features < 0:
@@ -93,8 +89,9 @@ class MXPrecisionPolicy(AutocastPolicy):
 
 
 def make_policy(config: Any) -> MXPrecisionPolicy:
-    """``factory(config: PrecisionConfig)``: options from the config where present, else DEFAULTS."""
-    opts = {key: getattr(config, key, default) for key, default in DEFAULTS.items()}
+    """``factory(config: PrecisionConfig)``: options from the config where present, else the
+    :class:`~gemcore.config.PrecisionConfig` defaults."""
+    opts = {key: getattr(config, key, getattr(_DEFAULTS, key)) for key in _OPTIONS}
     return MXPrecisionPolicy(elem=opts["mx_elem"], grad_elem=opts["mx_grad_elem"],
                              scale_rule=opts["mx_scale_rule"], min_features=opts["mx_min_features"],
                              keep=opts["mx_keep"], fsdp_all_gather=opts["mx_fsdp_all_gather"])

@@ -102,6 +102,7 @@ def test_every_block_is_checkpointed_by_the_selective_policy():
     assert "gemcore::jagged_attention_fwd" in apply_mod.SELECTIVE_AC_SAVE
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and triton")
 def test_triton_attention_op_is_saved():
     from torch.utils.checkpoint import CheckpointPolicy

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
 import pytest
@@ -14,13 +13,13 @@ from gemcore.config import ModelConfig
 from gemcore.data import BaseBatchShuffler, RandomBatchSampler
 from gemcore.data.bbs import (_unique_keys, balanced_partition, default_model_cost, gem_rule_loads,
                               random_loads)
+from gemcore.data.workloads import history_lengths
 from gemcore.model import GemModel
 from gemcore.plugin_manager import create_plugin_manager
 
 
 def heavytail(n: int, max_len: int, seed: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.empty(n).log_normal_(math.log(max_len / 16), 1.2, generator=gen).clamp(8, max_len).long()
+    return history_lengths("heavytail", n, max_len, torch.Generator().manual_seed(seed))
 
 
 def epoch_lists(lengths, world_size, global_batch, **kw):
@@ -124,24 +123,60 @@ def test_unique_keys_are_sort_order_independent():
     assert (np.diff(np.take_along_axis(values, orders[0], axis=1), axis=1) >= 0).all()
 
 
+def _steps(sampler, first_epoch: int, count: int) -> list[list[int]]:
+    """``count`` steps from the sampler's position, driving the epochs as the trainer does."""
+    out, epoch = [], first_epoch
+    while True:
+        for local in sampler:
+            out.append(local)
+            if len(out) == count:
+                return out
+        epoch += 1
+        sampler.set_epoch(epoch)
+
+
 def test_state_dict_resumes_the_same_sequence_and_epochs_differ():
     lengths = heavytail(300, 128)
     kw = dict(world_size=2, rank=1, global_batch=64, seed=5, sub_batch=8)
     a = BaseBatchShuffler(lengths, **kw)
-    it = iter(a)
-    full = [next(it) for _ in range(12)]  # crosses the epoch boundary (5 steps per epoch)
+    full = _steps(a, 0, 12)  # crosses the epoch boundary (5 steps per epoch)
     b = BaseBatchShuffler(lengths, **kw)
-    it_b = iter(b)
-    for _ in range(7):
-        next(it_b)
+    _steps(b, 0, 7)          # stops in epoch 1, after its second step
+    assert b.state_dict()["epoch"] == 1 and b.state_dict()["step_in_epoch"] == 2
     c = BaseBatchShuffler(lengths, **kw)
     c.load_state_dict(b.state_dict())
-    it_c = iter(c)
-    assert [next(it_c) for _ in range(5)] == full[7:]
+    assert _steps(c, 1, 5) == full[7:]
     assert sorted(sum(full[0:5], [])) != sorted(sum(full[5:10], [])) or full[0:5] != full[5:10]
     other = BaseBatchShuffler(heavytail(301, 128), **kw)
     with pytest.raises(ValueError, match="num_samples"):
         other.load_state_dict(a.state_dict())
+
+
+@pytest.mark.parametrize("name", ["bbs", "random"])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_iterating_a_sampler_yields_one_epoch_then_set_epoch_starts_the_next(name, drop_last):
+    """torch's convention (DistributedSampler): ``for batch in sampler`` ends after ``len(sampler)``
+    steps; set_epoch(e) starts epoch e (another order), from its first step."""
+    manager = create_plugin_manager()
+    factory = manager.resolve("data", name).factory
+    s = factory(heavytail(300, 64), batch_size=64, world_size=2, rank=0, seed=3, drop_last=drop_last)
+    assert len(s) == (4 if drop_last else 5)
+    first = list(s)
+    assert len(first) == len(s)
+    assert list(s) == []                       # the epoch is over until set_epoch
+    s.set_epoch(1)
+    second = list(s)
+    assert len(second) == len(s) and second != first
+    s.set_epoch(0)
+    assert list(s) == first                    # an epoch is a pure function of (seed, epoch)
+    # mid-epoch state: iterating yields the rest of the epoch
+    s.set_epoch(1)
+    it = iter(s)
+    next(it), next(it)
+    state = s.state_dict()
+    resumed = factory(heavytail(300, 64), batch_size=64, world_size=2, rank=0, seed=3, drop_last=drop_last)
+    resumed.load_state_dict(state)
+    assert list(resumed) == second[2:]
 
 
 def test_sub_batches_are_balanced():

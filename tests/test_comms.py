@@ -11,7 +11,7 @@ import torch
 
 from gemcore import comms
 from gemcore.bench import comms as bench
-from gemcore.comms.launch import detect
+from gemcore.comms.launch import detect, detect_placement
 from gemcore.hookspecs import hookimpl
 from gemcore.plugin_manager import GemPluginManager, PluginError
 
@@ -42,6 +42,25 @@ def test_detect_launchers(env, want):
     info = detect(env)
     assert (info.launcher, info.rank, info.world_size, info.local_rank, info.local_size) == want
     assert info.under_mpi == (want[0] in ("openmpi", "mpich"))
+
+
+@pytest.mark.parametrize("env,want", [
+    ({}, ("none", 0, 1, 0, 1)),
+    ({"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}, ("mpich", 3, 4, 1, 2)),
+    ({"PMI_RANK": "3", "PMI_SIZE": "4"}, ("mpich", 3, 4, 3, 4)),  # no local rank: one node
+    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}, ("openmpi", 1, 2, 1, 2)),
+    ({"RANK": "2", "WORLD_SIZE": "3"}, ("env", 2, 3, 2, 3)),
+    ({"TORCHELASTIC_RUN_ID": "x", "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"},
+     ("torchrun", 5, 8, 1, 4)),
+])
+def test_detect_placement_always_has_a_local_rank(env, want):
+    info = detect_placement(env)
+    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.local_size) == want
+
+
+def test_detect_placement_rejects_mpich_rank_outside_the_world():
+    with pytest.raises(ValueError, match="PMI_RANK"):
+        detect_placement({"PMI_RANK": "4", "PMI_SIZE": "4"})
 
 
 @pytest.mark.parametrize("env,words", [

@@ -110,6 +110,7 @@ def test_table_with_gemm_columns():
     assert "gemm" not in plain
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_transfer_demo_on_gpu(capsys):
     p = argparse.ArgumentParser()

@@ -77,6 +77,7 @@ def test_every_step_runs_deterministic_and_the_mode_is_off_afterwards(tmp_path):
     assert not torch.are_deterministic_algorithms_enabled()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_identical_bf16_gpu_runs_agree_bit_for_bit(tmp_path):
     """The fast path (jfa, bf16) at the size whose runs drifted apart after 26 steps without it."""

@@ -302,8 +302,8 @@ def test_plugin_factories_pick_activation(impl, config_act, expected):
 
 
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
 def test_auto_is_the_reference_on_cpu_and_the_triton_kernels_on_cuda(device, activation):
     """The default implementation: the reference's function bit for bit on a CPU tensor, the
     Triton kernels' on a CUDA tensor (whose output differs from the reference by rounding)."""
@@ -320,8 +320,8 @@ def test_auto_is_the_reference_on_cpu_and_the_triton_kernels_on_cuda(device, act
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
 @pytest.mark.parametrize("impl", ["auto", "jfa", "gdpa"])
 def test_model_trains_with_jagged_attention(impl, device):
     from gemcore.data import make_synthetic
@@ -347,6 +347,7 @@ def test_model_trains_with_jagged_attention(impl, device):
 
 
 # --------------------------------------------------------------------------- Triton on CPU
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(),
                     reason="CPU-only machines check the kernels in the interpreter; with a GPU, "
                            "test_jagged_attention_triton.py runs them compiled (and Triton 3.6's "

@@ -13,14 +13,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 triton = pytest.importorskip("triton")
-gluon_attention = pytest.importorskip("gemcore.kernels.jagged_attention_gluon",
-                                      reason="this Triton has no Gluon Hopper ops")
 
 from gemcore.kernels.jagged_attention import jagged_attention  # noqa: E402
+from gemcore.kernels import jagged_attention_gluon as gluon_attention  # noqa: E402
 from gemcore.kernels.jagged_attention_reference import jagged_attention_reference  # noqa: E402
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100 / H200)")
+
+
+def needs_hopper(test):
+    """Marks a GPU test that runs on an sm_90 GPU only."""
+    return pytest.mark.gpu(pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100 / H200)")(test))
+
+
 ACTIVATIONS = ["softmax", "silu", "gelu", "gelu_tanh", "relu", "relu2", "identity"]
 # tile borders of the 128-row query tiles and 64-row key tiles, empty and length-1 sequences
 LENGTHS = [0, 1, 2, 63, 64, 65, 127, 128, 129, 300, 1000, 2048, 5]
@@ -64,7 +69,7 @@ def test_scope_names_what_it_does_not_take():
     assert not gluon_attention.gluon_forward_applies(q, k, v, offsets, None, None, True, -1, -1, "softmax")
 
 
-def test_a_part_that_fails_to_build_turns_itself_off_with_a_warning(monkeypatch):
+def test_a_part_that_fails_to_build_is_an_error_naming_its_switch(monkeypatch):
     from types import SimpleNamespace
 
     from triton.runtime.errors import OutOfResources
@@ -77,17 +82,48 @@ def test_a_part_that_fails_to_build_turns_itself_off_with_a_warning(monkeypatch)
     stub = SimpleNamespace(gluon_forward_applies=lambda *a: True, jagged_attention_fwd_hopper=fails,
                            gluon_backward_applies=lambda *a: True, jagged_attention_bwd_hopper=fails)
     monkeypatch.setattr(jt, "_hopper_modules", lambda: (stub, stub))
-    monkeypatch.setattr(jt, "_hopper_failures", {})
+    for var in (jt.GLUON_SWITCH, jt.GLUON_BWD_SWITCH):
+        monkeypatch.delenv(var, raising=False)
     on_gpu = SimpleNamespace(is_cuda=True)             # only the device check reads q here
     assert jt.forward_kernel(on_gpu, None, None, None) == "gluon-hopper"
     assert jt.backward_kernel(on_gpu, None, None, None) == "gluon-hopper"
-    with pytest.warns(RuntimeWarning, match="forward failed.*OutOfResources.*shared memory"):
-        assert jt._run_hopper("forward") is None
-    assert jt.forward_kernel(on_gpu, None, None, None) == "triton"
-    assert jt.backward_kernel(on_gpu, None, None, None) == "gluon-hopper"   # each part on its own
-    with pytest.warns(RuntimeWarning, match="backward failed.*OutOfResources"):
-        assert jt._run_hopper("backward") is None
+    with pytest.raises(RuntimeError, match="forward failed.*OutOfResources.*shared memory.*GEMCORE_GLUON_ATTENTION=0"):
+        jt._run_hopper("forward")
+    with pytest.raises(RuntimeError, match="backward failed.*OutOfResources.*GEMCORE_GLUON_ATTENTION_BWD=0"):
+        jt._run_hopper("backward")
+    assert jt.forward_kernel(on_gpu, None, None, None) == "gluon-hopper"  # no silent switch afterwards
+    # the switches are the user's explicit choice of the Triton kernels
+    monkeypatch.setenv(jt.GLUON_BWD_SWITCH, "0")
+    assert jt.forward_kernel(on_gpu, None, None, None) == "gluon-hopper"
     assert jt.backward_kernel(on_gpu, None, None, None) == "triton"
+    monkeypatch.setenv(jt.GLUON_SWITCH, "0")
+    assert jt.forward_kernel(on_gpu, None, None, None) == "triton"
+
+
+def test_gluon_modules_that_do_not_load_are_an_error_naming_the_switch(monkeypatch):
+    import builtins
+    from types import SimpleNamespace
+
+    from gemcore.kernels import jagged_attention_triton as jt
+
+    real_import = builtins.__import__
+
+    def no_gluon(name, globals=None, locals=None, fromlist=(), level=0):
+        if name == "gemcore.kernels" and fromlist and "jagged_attention_gluon" in fromlist:
+            raise ImportError("cannot import name 'warpgroup_mma'")
+        return real_import(name, globals, locals, fromlist, level)
+
+    monkeypatch.delenv(jt.GLUON_SWITCH, raising=False)
+    jt._hopper_modules.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", no_gluon)
+    try:
+        with pytest.raises(RuntimeError, match="do not load.*warpgroup_mma.*GEMCORE_GLUON_ATTENTION=0"):
+            jt.forward_kernel(SimpleNamespace(is_cuda=True), None, None, None)
+        monkeypatch.setenv(jt.GLUON_SWITCH, "0")
+        assert jt.forward_kernel(SimpleNamespace(is_cuda=True), None, None, None) == "triton"
+    finally:
+        monkeypatch.setattr(builtins, "__import__", real_import)
+        jt._hopper_modules.cache_clear()
 
 
 @pytest.mark.parametrize("activation,causal,dtype,head_dim,persistent,cross", [

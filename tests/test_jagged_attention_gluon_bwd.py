@@ -13,17 +13,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 triton = pytest.importorskip("triton")
-gluon_bwd = pytest.importorskip("gemcore.kernels.jagged_attention_gluon_bwd",
-                                reason="this Triton has no Gluon Hopper ops")
 
 from gemcore.kernels.jagged_attention import jagged_attention  # noqa: E402
+from gemcore.kernels import jagged_attention_gluon_bwd as gluon_bwd  # noqa: E402
 from gemcore.kernels.jagged_attention_gluon import jagged_attention_fwd_hopper  # noqa: E402
 from gemcore.kernels.jagged_attention_reference import jagged_attention_reference  # noqa: E402
 from gemcore.kernels.jagged_attention_triton import backward_kernel  # noqa: E402
 from gemcore.kernels.jagged_attention_triton_common import ACTIVATION_CODES  # noqa: E402
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100 / H200)")
+
+
+def needs_hopper(test):
+    """Marks a GPU test that runs on an sm_90 GPU only."""
+    return pytest.mark.gpu(pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100 / H200)")(test))
+
+
 ACTIVATIONS = list(ACTIVATION_CODES)
 # the 64- and 128-row tile borders of both kernels, empty and length-1 sequences
 LENGTHS = [0, 1, 2, 63, 64, 65, 127, 128, 129, 300, 1000, 2048, 5]

@@ -18,8 +18,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # the interpreter runs on CPU tensors, also on a machine with a GPU (its GPU-tensor mode fails in
 # Triton 3.6 with "only 0-dimensional arrays can be converted to Python scalars")
 CUDA = torch.cuda.is_available() and not INTERPRET
-pytestmark = pytest.mark.skipif(not (CUDA or INTERPRET),
-                                reason="needs a CUDA GPU or TRITON_INTERPRET=1 (run by test_jagged_attention.py)")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not (CUDA or INTERPRET),
+                                 reason="needs a CUDA GPU or TRITON_INTERPRET=1 (run by test_jagged_attention.py)")]
 triton = pytest.importorskip("triton")
 
 import triton.language as tl  # noqa: E402

@@ -225,7 +225,7 @@ def test_bad_input_raises():
     with pytest.raises(ValueError, match="out_dtype"):
         mx.mx_matmul(a, b, out_dtype=torch.int32)
     with pytest.raises(ValueError, match="needs CUDA"):
-        mx.mx_matmul(a, b, backend="triton")
+        mx.mx_matmul(a, b, backend="dequant_mm")
     with pytest.raises(ValueError, match="scale_rule"):
         mx.MXLinear(4, 4, scale_rule="nearest")
     with pytest.raises(ValueError, match="in_features"):
@@ -396,6 +396,7 @@ def test_loss_parity():
 
 
 # --------------------------------------------------------------------------- Triton in the interpreter
+@pytest.mark.slow
 def test_triton_kernels_in_interpreter():
     """Runs test_mx_triton.py with TRITON_INTERPRET=1 (it must be set before triton is imported)."""
     pytest.importorskip("triton")
@@ -450,3 +451,17 @@ def test_mxlinear_tensor_parallel_bad_layouts(one_rank_group):
     replicated.weight = nn.Parameter(distribute_tensor(replicated.weight.detach(), mesh, [Replicate()]))
     with pytest.raises(ValueError, match="neither Shard"):
         replicated(torch.randn(4, 32))
+
+
+def test_mx_policy_options_come_from_the_precision_config():
+    from gemcore.config import PrecisionConfig
+    from gemcore.plugins.precision_mx import MXPrecisionPolicy, make_policy
+
+    default = PrecisionConfig()
+    for policy in (MXPrecisionPolicy(), make_policy(PrecisionConfig(impl="mxfp8")), make_policy(object())):
+        assert (policy.mx_config.elem, policy.mx_config.grad_elem, policy.mx_config.scale_rule) == \
+            (default.mx_elem, default.mx_grad_elem, default.mx_scale_rule)
+        assert (policy.min_features, list(policy.keep), policy.fsdp_all_gather) == \
+            (default.mx_min_features, default.mx_keep, default.mx_fsdp_all_gather)
+    chosen = make_policy(PrecisionConfig(impl="mxfp8", mx_scale_rule="floor", mx_keep=["head"], mx_min_features=64))
+    assert (chosen.mx_config.scale_rule, chosen.keep, chosen.min_features) == ("floor", ("head",), 64)

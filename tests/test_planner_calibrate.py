@@ -367,6 +367,7 @@ def test_cpu_window_spans_several_of_the_slowest_calls(monkeypatch):
     assert clock.calls - 1 == pytest.approx(cal.WINDOW_CALLS * 0.5 / 0.1, abs=1)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
 def test_rates_on_cuda_are_timed_in_device_time_not_by_the_launches():
     """Many tiny kernels: the host clock measures their launches, the device time only their

@@ -2,7 +2,6 @@
 import dataclasses
 import math
 
-import numpy as np
 import pytest
 
 from gemcore.planner.cluster import Cluster, GpuKind, Tier, make_cluster
@@ -95,7 +94,7 @@ def test_model_file_and_errors(tmp_path):
 
 def test_unknown_length_law_names_the_key():
     with pytest.raises(ValueError, match="model.length_law"):
-        history_lengths("zipf", 10, 64, np.random.default_rng(0))
+        history_lengths("zipf", 10, 64)
 
 
 # ---------------------------------------------------------------------- cost formulas

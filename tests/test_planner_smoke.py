@@ -60,6 +60,10 @@ def test_repeated_pairs_are_compared_by_their_medians():
     assert d["predicted_over_measured"] == pytest.approx(predicted / measured)
     assert d["median_pair_ratio"] == statistics.median(p["predicted_over_measured"] for p in pairs)
     assert len(d["losses"]) == 2                 # the first timed pass's
+    # the prediction tracks the measurement: on a 2-core machine shared with other CPU-bound work the
+    # median ratio measured 0.41-0.62 (contention slows the timed steps more than the calibration);
+    # a wrong unit or a missing term lands far outside
+    assert 0.25 <= d["predicted_over_measured"] <= 4.0, d["predicted_over_measured"]
 
 
 def test_medians_take_the_middle_pair_of_each_column():

@@ -228,6 +228,22 @@ def test_resume_is_bit_exact_with_the_default_random_sampler(tmp_path):
     assert len(losses(tmp_path / "R")) == 4 and losses(tmp_path / "R") == losses(tmp_path / "S")
 
 
+@pytest.mark.parametrize("sampler", ["bbs", "random"])
+def test_resume_is_bit_exact_across_epochs(tmp_path, sampler):
+    """The trainer drives the epochs (set_epoch between them): 11 steps of 3-step epochs in one go
+    equal 3 steps (an epoch's end), then 4 (into the third epoch's middle), then the rest."""
+    args = ["--set", f"data.sampler={sampler}", "--max-steps", "11", "--set", "data.num_users=24"]
+    assert train(tmp_path, "--name", "E", *args) == 0
+    assert train(tmp_path, "--name", "F", *args, "--stop-after", "3") == 0
+    assert checkpoint.load(tmp_path / "F" / "checkpoint.pt")["sampler"]["step_in_epoch"] == 3
+    assert main(["train", "--quiet", "--resume", str(tmp_path / "F"), "--stop-after", "4"]) == 0
+    state = checkpoint.load(tmp_path / "F" / "checkpoint.pt")
+    assert (state["epoch"], state["sampler"]["epoch"], state["sampler"]["step_in_epoch"]) == (2, 2, 1)
+    assert main(["train", "--quiet", "--resume", str(tmp_path / "F")]) == 0
+    assert len(losses(tmp_path / "E")) == 11 and losses(tmp_path / "E") == losses(tmp_path / "F")
+    assert checkpoint.load(tmp_path / "E" / "checkpoint.pt")["epoch"] == 3
+
+
 def test_the_run_closes_its_parallelism_at_the_end(tmp_path):
     """run_training calls the parallelism's close() once, after the summary (the built-in planned
     one tears its process group down there); the evaluation before it runs without autograd."""

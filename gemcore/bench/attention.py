@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -30,11 +29,9 @@ from unittest import mock
 import torch
 
 from gemcore.bench.timing import median_ms
+from gemcore.data.workloads import ATTENTION_WORKLOADS as WORKLOADS
+from gemcore.data.workloads import MODEL_SHAPE, workload_lengths
 
-WORKLOADS = ("dense95", "heavytail", "cross", "model")
-#: workload ``model``: users, max history length, candidates per user, heads (D=128), as
-#: ``gem bench train --workload heavytail --users 48`` (hidden 1024, 8 heads)
-MODEL_SHAPE = dict(users=48, max_len=4096, candidates=16, heads=8)
 ANCHORS = ("sdpa", "varlen", "flex", "nested")
 
 
@@ -47,36 +44,6 @@ class Row:
     fwdbwd_tflops: float | None
     peak_gb: float | None
     note: str = ""
-
-
-def lengths_for(kind: str, B: int, max_len: int, gen: torch.Generator) -> torch.Tensor:
-    """(B,) int64 lengths of a workload's law (docs/benchmarks.md, "Workloads")."""
-    if kind == "dense95":
-        return torch.randint(int(0.9 * max_len), max_len, (B,), generator=gen)
-    if kind == "heavytail":
-        x = torch.empty(B).log_normal_(math.log(max_len / 16), 1.2, generator=gen)
-        return x.clamp(8, max_len).long()
-    if kind == "uniform":
-        return torch.randint(1, max_len + 1, (B,), generator=gen)
-    raise ValueError(kind)
-
-
-def workload_lengths(workload: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(q lengths, kv lengths or None for self-attention), one generator seeded 0: dense95 then
-    heavytail; cross from a fresh one; ``model``: heavytail histories of MODEL_SHAPE's users plus
-    their candidates, seeded 0."""
-    gen = torch.Generator().manual_seed(0)
-    if workload == "model":
-        history = lengths_for("heavytail", MODEL_SHAPE["users"], MODEL_SHAPE["max_len"], gen)
-        return history + MODEL_SHAPE["candidates"], None
-    dense = lengths_for("dense95", 256, 2048, gen)
-    if workload == "dense95":
-        return dense, None
-    heavy = lengths_for("heavytail", 256, 4096, gen)
-    if workload == "heavytail":
-        return heavy, None
-    gen = torch.Generator().manual_seed(0)
-    return lengths_for("uniform", 1152, 2048, gen), torch.full((1152,), 256, dtype=torch.long)
 
 
 def useful_fwd_flops(q_lens: torch.Tensor, kv_lens: torch.Tensor | None, H: int, D: int,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import time
 
@@ -28,23 +27,10 @@ import numpy as np
 import torch
 
 from gemcore.data.bbs import NAMED_COSTS, BaseBatchShuffler, gem_rule_loads, random_loads
+from gemcore.data.workloads import WORKLOAD_MAX_LEN, history_lengths
 
-#: workload -> default longest length (docs/benchmarks.md, "Workloads")
-WORKLOAD_MAX_LEN = {"heavytail": 4096, "dense95": 2048, "uniform": 2048}
 REPEATS = 3  # plan_ms: median over steps of the fastest of REPEATS timings (less noise from other load)
 GOAL = {"ranks": 64, "workload": "heavytail", "max_over_mean": 1.02, "plan_ms": 5.0}
-
-
-def lengths_for(kind: str, n: int, max_len: int, gen: torch.Generator) -> torch.Tensor:
-    """(n,) int64 lengths following the workload's law (docs/benchmarks.md, "Workloads")."""
-    if kind == "dense95":
-        return torch.randint(int(0.9 * max_len), max_len, (n,), generator=gen)
-    if kind == "heavytail":
-        x = torch.empty(n).log_normal_(math.log(max_len / 16), 1.2, generator=gen)
-        return x.clamp(8, max_len).long()
-    if kind == "uniform":
-        return torch.randint(1, max_len + 1, (n,), generator=gen)
-    raise ValueError(f"workload must be one of {sorted(WORKLOAD_MAX_LEN)}, got {kind!r}")
 
 
 def _ranks(text: str) -> list[int]:
@@ -82,7 +68,7 @@ def measure(ranks: int, args) -> dict:
     max_len = args.max_len or WORKLOAD_MAX_LEN[args.workload]
     gen = torch.Generator().manual_seed(args.seed)
     global_batch = ranks * args.per_rank
-    lengths = lengths_for(args.workload, global_batch * args.steps, max_len, gen)
+    lengths = history_lengths(args.workload, global_batch * args.steps, max_len, gen)
     shuffler = BaseBatchShuffler(lengths, world_size=ranks, rank=0, global_batch=global_batch,
                                  sub_batch=args.sub_batch, seed=args.seed, cost=args.cost)
     t0 = time.perf_counter()

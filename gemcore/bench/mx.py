@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 
@@ -41,13 +42,6 @@ CAST_TILES = {
     "both": [dict(NBR=1, NBC=2, num_warps=1), dict(NBR=1, NBC=4, num_warps=1), dict(NBR=1, NBC=4, num_warps=2),
              dict(NBR=2, NBC=2, num_warps=2), dict(NBR=2, NBC=1, num_warps=1), dict(NBR=1, NBC=2, num_warps=4)],
 }
-GEMM_TILES = {
-    "triton": [dict(BLOCK_M=128, BLOCK_N=128, KB=2, GROUP_M=8, num_warps=8, num_stages=3),
-               dict(BLOCK_M=128, BLOCK_N=256, KB=2, GROUP_M=8, num_warps=8, num_stages=3),
-               dict(BLOCK_M=128, BLOCK_N=128, KB=4, GROUP_M=8, num_warps=8, num_stages=3)],
-    "triton_fp8": [dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4),
-                   dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3)],
-}
 TRAINING_SHAPES = [(16384, 4096, 4096), (16384, 8192, 8192)]
 
 
@@ -66,7 +60,7 @@ class Row:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--size", type=int, default=8192, help="cast: SIZE x SIZE bf16; GEMM: SIZE^3")
-    p.add_argument("--sweep", action="store_true", help="try every tile in CAST_TILES/GEMM_TILES")
+    p.add_argument("--sweep", action="store_true", help="try every cast tile in CAST_TILES")
     p.add_argument("--skip", default="", help="comma list of parts to skip: cast,gemm,shapes,linear,fp8")
     p.add_argument("--host-launch", action="store_true",
                    help="cast: time each call with the host's launch included (default: GPU time alone)")
@@ -153,10 +147,8 @@ def _gemm_exact(out: torch.Tensor, want: torch.Tensor) -> bool:
     return bool((got - want).norm() / want.norm() <= 1e-4)
 
 
-def bench_gemm(M: int, K: int, N: int, sweep: bool,
-               backends=("triton", "triton_fp8", "triton_scaled", "dequant_mm")) -> list[Row]:
+def bench_gemm(M: int, K: int, N: int, backends=("triton_scaled", "dequant_mm")) -> list[Row]:
     from gemcore.kernels import mx
-    from gemcore.kernels.mx_gemm import mx_matmul_triton
 
     group = f"gemm {M}x{K}x{N}"
     flops = 2.0 * M * N * K
@@ -179,23 +171,16 @@ def bench_gemm(M: int, K: int, N: int, sweep: bool,
     a_rows = mx.MXTensor(a.data[:128], a.scale[:128], a.elem, a.block, a.axis, a.scale_rule)
     want = a_rows.dequantize(torch.float64) @ b.dequantize(torch.float64)
     for backend in backends:
-        tiles = GEMM_TILES.get(backend, [None]) if sweep else [None]
-        for tile in tiles:
-            if backend == "dequant_mm":
-                fn = lambda: mx.mx_matmul(a, b, out_dtype=torch.bfloat16, backend="dequant_mm")
-                fn32 = lambda: mx.mx_matmul(a, b, out_dtype=torch.float32, backend="dequant_mm")
-            else:
-                kernel = {"triton_fp8": "fp8", "triton_scaled": "scaled"}.get(backend, "dequant")
-                fn = lambda: mx_matmul_triton(a.data, a.scale, b.data, b.scale, torch.bfloat16, kernel, tile)
-                fn32 = lambda: mx_matmul_triton(a.data, a.scale, b.data, b.scale, torch.float32, kernel, tile)
-            try:
-                exact = _gemm_exact(fn32(), want)
-                ms = median_ms(fn)
-            except Exception as exc:  # noqa: BLE001
-                rows.append(Row(group, f"mx {backend} {tile or ''}", float("nan"), 0, "TFLOP/s", note=repr(exc)[:100]))
-                continue
-            rate = flops / ms / 1e9
-            rows.append(Row(group, f"mx {backend} {tile or ''}".strip(), ms, rate, "TFLOP/s", rate / anchor, exact))
+        fn = partial(mx.mx_matmul, a, b, out_dtype=torch.bfloat16, backend=backend)
+        fn32 = partial(mx.mx_matmul, a, b, out_dtype=torch.float32, backend=backend)
+        try:
+            exact = _gemm_exact(fn32(), want)
+            ms = median_ms(fn)
+        except Exception as exc:  # noqa: BLE001
+            rows.append(Row(group, f"mx {backend}", float("nan"), 0, "TFLOP/s", note=repr(exc)[:100]))
+            continue
+        rate = flops / ms / 1e9
+        rows.append(Row(group, f"mx {backend}", ms, rate, "TFLOP/s", rate / anchor, exact))
     return rows
 
 
@@ -238,10 +223,10 @@ def run(args: argparse.Namespace) -> int:
     if "cast" not in skip:
         rows += bench_cast(args.size, args.sweep, launch_hidden=not args.host_launch)
     if "gemm" not in skip:
-        rows += bench_gemm(args.size, args.size, args.size, args.sweep)
+        rows += bench_gemm(args.size, args.size, args.size)
     if "shapes" not in skip:
         for M, K, N in TRAINING_SHAPES:
-            rows += bench_gemm(M, K, N, False, backends=("triton", "dequant_mm"))
+            rows += bench_gemm(M, K, N, backends=("dequant_mm",))
     if "linear" not in skip:
         rows += bench_linear(16384, 8192, 8192)
     if "fp8" not in skip:

@@ -24,11 +24,12 @@ import torch
 
 from gemcore.config import AttentionConfig, ModelConfig, PrecisionConfig
 from gemcore.data import make_synthetic
+from gemcore.data.workloads import WORKLOAD_MAX_LEN
 from gemcore.metrics import peak_flops
 from gemcore.model import GemModel
 from gemcore.plugin_manager import create_plugin_manager
 
-WORKLOADS = {"heavytail": 4096, "dense95": 2048}  # max history length (docs/benchmarks.md, Workloads)
+WORKLOADS = {name: WORKLOAD_MAX_LEN[name] for name in ("heavytail", "dense95")}  #: workload -> longest history
 CONFIGS = ("padded", "bf16", "mxfp8", "bf16+compile", "mxfp8+compile",
            "varlen", "varlen+compile", "flex", "flex+compile")
 #: configurations whose attention is a torch-native peer (attention impl = the name before "+")

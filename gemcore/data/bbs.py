@@ -270,8 +270,9 @@ class BaseBatchShuffler:
     ``"tokens"``, ``"quadratic"``, or a callable ``lengths (N,) int64 tensor -> (N,) costs``
     (called once). drop_last: drop the epoch's last, smaller step.
 
-    Iterating yields lists forever, epoch after epoch; the trainer stops by step count.
-    ``state_dict()`` holds (epoch, step within epoch).
+    Iterating yields one epoch, as torch's ``DistributedSampler`` does: ``len(self)`` lists after
+    ``set_epoch(e)`` (the rest of the epoch after ``load_state_dict`` of a mid-epoch state), then
+    stops; ``set_epoch(e + 1)`` starts the next. ``state_dict()`` holds (epoch, step within epoch).
     """
 
     def __init__(self, lengths, *, world_size: int, rank: int, global_batch: int, sub_batch: int = 128,
@@ -352,12 +353,10 @@ class BaseBatchShuffler:
         return [small + 1] * extra + [small] * (parts - extra)
 
     def __iter__(self):
-        while True:
-            while self.step_in_epoch < self.steps_per_epoch():
-                local = self.local_batch(self.plan(self.epoch, self.step_in_epoch))
-                self.step_in_epoch += 1
-                yield local.tolist()
-            self.set_epoch(self.epoch + 1)
+        while self.step_in_epoch < self.steps_per_epoch():
+            local = self.local_batch(self.plan(self.epoch, self.step_in_epoch))
+            self.step_in_epoch += 1
+            yield local.tolist()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

@@ -10,8 +10,10 @@ class RandomBatchSampler:
     lengths: (N,) history lengths (unused: random ignores cost; kept for the common signature).
     batch_size: global batch in samples, split evenly over ``world_size`` ranks (it must divide).
     Each epoch is a permutation drawn from (seed, epoch); the tail shorter than a global batch is
-    a final smaller step unless ``drop_last``. Iteration continues over epochs forever; the
-    trainer stops by step count. ``state_dict`` holds (epoch, step within epoch).
+    a final smaller step unless ``drop_last``. Iterating yields one epoch, as torch's
+    ``DistributedSampler`` does: ``len(self)`` lists after ``set_epoch(e)`` (the rest of the epoch
+    after ``load_state_dict`` of a mid-epoch state), then stops; ``set_epoch(e + 1)`` starts the
+    next. ``state_dict`` holds (epoch, step within epoch).
     ``cost`` and ``sub_batch`` (passed by the trainer to every sampler) are accepted and ignored:
     random sharding does not look at cost.
     """
@@ -33,22 +35,23 @@ class RandomBatchSampler:
         full, tail = divmod(self.n, self.batch_size)
         return full + (1 if tail and not self.drop_last else 0)
 
+    def __len__(self) -> int:
+        return self.steps_per_epoch()
+
     def set_epoch(self, epoch: int) -> None:
-        self.epoch, self.step_in_epoch = epoch, 0
+        self.epoch, self.step_in_epoch = int(epoch), 0
 
     def _permutation(self) -> torch.Tensor:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         return torch.randperm(self.n, generator=gen)
 
     def __iter__(self):
-        while True:
-            perm = self._permutation()
-            while self.step_in_epoch < self.steps_per_epoch():
-                start = self.step_in_epoch * self.batch_size
-                batch = perm[start:start + self.batch_size]
-                self.step_in_epoch += 1
-                yield batch[self.rank::self.world_size].tolist()
-            self.set_epoch(self.epoch + 1)
+        perm = self._permutation()
+        while self.step_in_epoch < self.steps_per_epoch():
+            start = self.step_in_epoch * self.batch_size
+            batch = perm[start:start + self.batch_size]
+            self.step_in_epoch += 1
+            yield batch[self.rank::self.world_size].tolist()
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch}

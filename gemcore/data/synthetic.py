@@ -9,36 +9,26 @@ the history well above chance. No download, ever.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
+import torch
 
 from gemcore.data.dataset import JaggedDataset
+from gemcore.data.workloads import history_lengths
 
 CLICK_PROB = {"primary": 0.75, "secondary": 0.45, "other": 0.05}
-
-
-def history_lengths(kind: str, n: int, max_len: int, rng: np.random.Generator) -> np.ndarray:
-    """(n,) int64 history lengths following a benchmark workload's law (docs/benchmarks.md, "Workloads"), scaled to
-    ``max_len``."""
-    if kind == "dense95":
-        return rng.integers(max(int(0.9 * max_len), 1), max_len + 1, n)
-    if kind == "heavytail":
-        x = rng.lognormal(math.log(max_len / 16), 1.2, n)
-        return np.clip(x, min(8, max_len), max_len).astype(np.int64)
-    if kind == "uniform":
-        return rng.integers(1, max_len + 1, n)
-    raise ValueError(f"kind must be one of 'dense95', 'heavytail', 'uniform', got {kind!r}")
 
 
 def make_synthetic(*, num_users: int, num_items: int, num_actions: int, max_len: int,
                    num_candidates: int, num_clusters: int, kind: str = "heavytail",
                    seed: int = 0) -> JaggedDataset:
-    """Generate a :class:`JaggedDataset` of ``num_users`` users (vectorised, seconds for 100k)."""
+    """Generate a :class:`JaggedDataset` of ``num_users`` users (vectorised, seconds for 100k).
+
+    History lengths follow the law ``kind`` of :mod:`gemcore.data.workloads` up to ``max_len``.
+    """
     if num_clusters < 2 or num_clusters > num_items:
         raise ValueError(f"num_clusters must be in [2, num_items={num_items}], got {num_clusters}")
+    lengths = history_lengths(kind, num_users, max_len, torch.Generator().manual_seed(seed)).numpy()
     rng = np.random.default_rng(seed)
-    lengths = history_lengths(kind, num_users, max_len, rng)
     total = int(lengths.sum())
     user_of_token = np.repeat(np.arange(num_users), lengths)
 

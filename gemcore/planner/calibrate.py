@@ -458,7 +458,7 @@ def measure(spec=None, *, lengths: list[int] | None = None, sequences: int = 16,
 
             S = seq_len or spec.seq_len
             lengths = [int(x) + spec.num_candidates
-                       for x in history_lengths(spec.length_law, sequences, S, np.random.default_rng(0))]
+                       for x in history_lengths(spec.length_law, sequences, S, torch.Generator().manual_seed(0))]
         else:
             lengths = [seq_len or (4096 if device == "cuda" else 512)] * (2 if device == "cpu" else 4)
     lengths = [max(1, int(x)) for x in lengths]

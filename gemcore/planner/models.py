@@ -198,18 +198,21 @@ _MOMENTS: dict[tuple[str, int, int], tuple[float, float]] = {}
 def _length_moments(law: str, seq_len: int, candidates: int) -> tuple[float, float]:
     key = (law, seq_len, candidates)
     if key not in _MOMENTS:
-        lengths = history_lengths(law, 200_000, seq_len, np.random.default_rng(0)).astype(np.float64)
+        import torch
+
+        lengths = history_lengths(law, 200_000, seq_len, torch.Generator().manual_seed(0)).numpy().astype(np.float64)
         lengths += candidates
         _MOMENTS[key] = (float(lengths.mean()), float((lengths ** 2).mean()))
     return _MOMENTS[key]
 
 
-def history_lengths(law: str, n: int, max_len: int, rng: np.random.Generator) -> np.ndarray:
-    """(n,) history lengths of the benchmark workloads' laws (:func:`gemcore.data.synthetic.history_lengths`)."""
-    from gemcore.data.synthetic import history_lengths as draw
+def history_lengths(law: str, n: int, max_len: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """(n,) history lengths of a jagged ``model.length_law``
+    (:func:`gemcore.data.workloads.history_lengths`)."""
+    from gemcore.data.workloads import history_lengths as draw
 
     try:
-        return draw(law, n, max_len, rng)
+        return draw(law, n, max_len, generator)
     except ValueError:
         raise ValueError(f"model.length_law must be fixed, heavytail, dense95 or uniform, got {law!r}") from None
 
