@@ -26,14 +26,13 @@ from gemcore.planner.plan import Plan
 
 
 def launch_env() -> dict[str, int]:
-    """rank, world_size, local_rank, local_world_size of this process (1 process if no launcher)."""
-    from gemcore.comms.launch import detect
+    """rank, world_size, local_rank, local_world_size of this process (1 process if no launcher;
+    one node assumed when the launcher gives no local rank): :func:`gemcore.comms.launch.detect_placement`."""
+    from gemcore.comms.launch import detect_placement
 
-    info = detect()
-    local_rank = info.local_rank if info.local_rank is not None else info.rank
-    local_world = info.local_size if info.local_size is not None else info.world_size
-    return {"rank": info.rank, "world_size": info.world_size, "local_rank": local_rank,
-            "local_world_size": local_world}
+    info = detect_placement()
+    return {"rank": info.rank, "world_size": info.world_size, "local_rank": info.local_rank,
+            "local_world_size": info.local_size}
 
 
 def native_backend(comm: Communicator | None) -> bool:
