@@ -593,7 +593,7 @@ def run_training(config: Config, manager: GemPluginManager, *, resume: str | Non
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         from gemcore.plots import plot_curves  # matplotlib is imported only when a run finishes
 
-        plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
+        plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png", final_auc=auc_value)
     manager.hook.gemcore_end_run(summary=summary, run_dir=run_dir)
     trainer.close()
     return summary, run_dir
