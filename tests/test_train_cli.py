@@ -181,3 +181,22 @@ def test_gem_plugins_cuts_nothing_at_any_width(tmp_path, columns):
         assert entry["config_key"] in proc.stdout
         for impl in entry["implementations"]:
             assert impl["plugin"] in proc.stdout and impl["name"] in proc.stdout
+
+
+def test_default_run_computes_on_one_cpu_thread(tmp_path, monkeypatch):
+    """run.threads = 1 by default (docs/training.md, "CPU threads"); 0 leaves torch's choice."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert gem(["train", "--quiet", "--max-steps", "1", *tiny_set_args()], tmp_path, monkeypatch).returncode == 0
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        assert gem(["train", "--quiet", "--max-steps", "1", "--set", "run.threads=0", *tiny_set_args()],
+                   tmp_path, monkeypatch).returncode == 0
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    bad = gem(["train", "--quiet", "--set", "run.threads=-1"], tmp_path, monkeypatch)
+    assert bad.returncode == 2 and "run.threads must be >= 0" in bad.stderr
