@@ -30,10 +30,11 @@ class RunConfig:
     out_dir: str = _f("runs", "folder holding one sub-folder per run")
     seed: int = _f(0, "seed of the model initialisation, the data and the sampler")
     device: Literal["cpu", "cuda"] = _f("cpu", "where to train")
-    max_steps: int = _f(300, "optimizer steps to run")
+    max_steps: int = _f(300, "optimizer steps of the whole run (>= 1; the LR schedule spans them)")
     log_every: int = _f(10, "refresh the progress bar every N steps")
     eval_users: int = _f(1024, "held-out users scored for the AUC at the end")
-    threads: int = _f(0, "torch CPU threads (0: leave torch's default)")
+    threads: int = _f(1, "torch CPU threads (0: torch's default, one per core; see docs/training.md, "
+                         "CPU threads: one holds up beside other CPU-bound processes, more collapse)")
     deterministic: bool = _f(False, "bitwise-reproducible GPU runs: PyTorch's deterministic "
                                     "algorithms and cuBLAS's fixed workspace while training")
     flush_denormals: bool = _f(True, "CPU arithmetic treats subnormal floats as zero while training "
@@ -160,7 +161,8 @@ class Config:
              f"data.heldout_fraction must be in (0, 1), got {self.data.heldout_fraction}"),
             (self.data.source == "synthetic" or self.data.path,
              f"data.path is required when data.source = {self.data.source!r}"),
-            (self.run.max_steps >= 0, f"run.max_steps must be >= 0, got {self.run.max_steps}"),
+            (self.run.max_steps >= 1, f"run.max_steps must be >= 1, got {self.run.max_steps}"),
+            (self.run.threads >= 0, f"run.threads must be >= 0, got {self.run.threads}"),
             (self.train.lr > 0, f"train.lr must be positive, got {self.train.lr}"),
             (self.train.grad_clip >= 0, f"train.grad_clip must be >= 0, got {self.train.grad_clip}"),
         ]

@@ -13,8 +13,9 @@ The trainer drives the epochs as torch's samplers expect: it iterates the sample
 
 Resume is exact: the checkpoint holds the model, optimizer, LR schedule, gradient scaler, sampler
 (epoch and step within it) and RNG states, the epoch and the step, and the loop consumes exactly
-one sampler step per optimizer step, so on CPU N steps + resume to 2N gives the same losses, bit
-for bit, as 2N steps in one go.
+one sampler step per optimizer step, so on CPU a 2N-step run stopped after N steps and resumed
+gives the same losses, bit for bit, as 2N steps in one go. A resume with another
+``run.max_steps`` re-bases the LR decay (:class:`LRSchedule`).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import json
 import math
 import random
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -45,6 +47,15 @@ CHECKPOINT_NAME = "checkpoint.pt"
 
 class TrainError(Exception):
     """A run that cannot start as configured (bad device, bad resume folder); exit code 2."""
+
+
+class RunComplete(Exception):
+    """A resumed run whose checkpoint already reached ``run.max_steps``: nothing to train."""
+
+    def __init__(self, run_dir: Path, step: int, max_steps: int):
+        super().__init__(f"{run_dir} is already complete: its checkpoint is at step {step} >= "
+                         f"run.max_steps {max_steps}; nothing to train (a larger --max-steps continues it)")
+        self.run_dir, self.step, self.max_steps = run_dir, step, max_steps
 
 
 @dataclass
@@ -94,6 +105,11 @@ def build_datasets(config: Config) -> tuple[JaggedDataset, JaggedDataset]:
     n_heldout = max(1, int(len(data) * d.heldout_fraction))
     if len(data) - n_heldout < 1:
         raise TrainError(f"data: {len(data)} users are too few to hold {n_heldout} out")
+    n_train = len(data) - n_heldout
+    if n_train < d.batch_size:
+        warnings.warn(f"data: {n_train} training users ({len(data)} in the data, {n_heldout} held out) are "
+                      f"fewer than one batch (data.batch_size = {d.batch_size}): every step trains on all "
+                      f"of them; lower data.batch_size or add users", stacklevel=2)
     return data.subset(perm[n_heldout:]), data.subset(perm[:n_heldout])
 
 
@@ -103,6 +119,46 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class LRSchedule:
+    """The LR multiplier of step ``s``: warm-up, then cosine to ``min_ratio`` at ``total``
+    (:func:`lr_factor`). A resume that changes ``run.max_steps`` re-bases the decay at the resume
+    step (:meth:`extend_to`): from the multiplier reached there, a cosine to ``min_ratio`` at the
+    new last step, so the LR does not jump. The re-bases travel in the checkpoint."""
+
+    def __init__(self, warmup: int, total: int, min_ratio: float):
+        self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
+        #: (first step, multiplier there, last step) of each re-based decay, oldest first
+        self.rebased: list[tuple[int, float, int]] = []
+
+    def __call__(self, step: int) -> float:
+        for start, f0, end in reversed(self.rebased):
+            if step >= start:
+                progress = min(1.0, (step - start) / max(1, end - start))
+                return self.min_ratio + (f0 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return lr_factor(step, self.warmup, self.total, self.min_ratio)
+
+    @property
+    def last_step(self) -> int:
+        return self.rebased[-1][2] if self.rebased else self.total
+
+    def extend_to(self, step: int, last_step: int) -> None:
+        """From ``step`` on, decay to ``min_ratio`` at ``last_step``; during the warm-up (and
+        before any re-base) only the end of the one cosine moves."""
+        if last_step == self.last_step:
+            return
+        if step < self.warmup and not self.rebased:
+            self.total = last_step
+        else:
+            self.rebased.append((step, self(step), last_step))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"total": self.total, "rebased": [list(x) for x in self.rebased]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.total = int(state["total"])
+        self.rebased = [(int(a), float(f), int(b)) for a, f, b in state["rebased"]]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -162,6 +218,8 @@ class Trainer:
         self.parts = build_components(config, manager)
         self.train_data, self.heldout_data = build_datasets(config)
         model = GemModel(config.model, self.parts.attention)
+        # the whole model's (a pipeline stage or a shard holds part of it after parallelism)
+        self.num_parameters = sum(p.numel() for p in model.parameters())
         self.flop_counter = model.flops
         sample_cost = sample_cost_fn(model, self.train_data.cand_lengths)
         model = self.parts.precision.apply(model)
@@ -169,8 +227,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.train.lr,
                                            weight_decay=config.train.weight_decay)
         t = config.train
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, t.warmup_steps, config.run.max_steps, t.min_lr_ratio))
+        self.lr_schedule = LRSchedule(t.warmup_steps, config.run.max_steps, t.min_lr_ratio)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_schedule)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.parts.precision.compute_dtype == torch.float16)
         par = self.parts.parallelism
         # a pipeline (pp > 1) steps through forward_backward and holds one stage's parameters per
@@ -216,6 +274,7 @@ class Trainer:
         return {"format_version": checkpoint.FORMAT_VERSION, "step": self.step, "epoch": self.epoch,
                 "config": self.config.to_dict(), "model": model_state,
                 "optimizer": optim_state, "scheduler": self.scheduler.state_dict(),
+                "lr_schedule": self.lr_schedule.state_dict(),
                 "scaler": self.scaler.state_dict(), "sampler": self.sampler.state_dict(),
                 "rng_torch": torch.get_rng_state(),
                 "rng_cuda": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None,
@@ -239,6 +298,13 @@ class Trainer:
             raise checkpoint.CheckpointError(f"checkpoint {path}: model/optimizer state does not fit "
                                              f"this model: {exc}") from None
         self.scheduler.load_state_dict(state["scheduler"])
+        # the schedule the checkpoint ran on (older checkpoints: one cosine over their max_steps),
+        # re-based here when this call's run.max_steps differs
+        self.lr_schedule.load_state_dict(state.get("lr_schedule") or
+                                         {"total": state["config"]["run"]["max_steps"], "rebased": []})
+        self.lr_schedule.extend_to(int(state["step"]), self.config.run.max_steps)
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+            group["lr"] = base * self.lr_schedule(int(state["step"]))
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.sampler.load_state_dict(state["sampler"])
@@ -485,7 +551,7 @@ class Trainer:
             "model_parallel": self.model_parallel,
             "rank": self.parts.parallelism.rank,
             "sampler": self.config.data.sampler,
-            "parameters": sum(p.numel() for p in self.model.parameters()),
+            "parameters": self.num_parameters,
         }
 
 
@@ -538,6 +604,8 @@ def run_training(config: Config, manager: GemPluginManager, *, resume: str | Non
     if resume:  # fail fast, before building anything
         state = checkpoint.load(ckpt_path)
         checkpoint.check_config(state["config"], config.to_dict(), ckpt_path)
+        if int(state["step"]) >= config.run.max_steps:
+            raise RunComplete(run_dir, int(state["step"]), config.run.max_steps)
     trainer = Trainer(config, manager, run_dir, peak_flops_per_s)
     if trainer.is_main:
         if state is None:
@@ -560,10 +628,10 @@ def run_training(config: Config, manager: GemPluginManager, *, resume: str | Non
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         from gemcore.plots import plot_curves  # matplotlib is imported only when a run finishes
 
-        plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
+        plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png", final_auc=auc_value)
     manager.hook.gemcore_end_run(summary=summary, run_dir=run_dir)
     trainer.close()
     return summary, run_dir
 
 
-__all__ = ["Trainer", "TrainError", "run_training", "build_components", "PluginError"]
+__all__ = ["Trainer", "TrainError", "RunComplete", "LRSchedule", "run_training", "build_components", "PluginError"]

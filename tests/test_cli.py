@@ -128,4 +128,4 @@ def test_user_data_from_jsonl(tmp_path, monkeypatch):
     path.write_text(json.dumps({"items": [1], "candidates": [2], "labels": [1, 0]}))
     bad = gem(["train", "--quiet", "--max-steps", "1", *tiny_set_args(), "--set", "data.source=jsonl",
                "--set", f"data.path='{path}'"], tmp_path, monkeypatch)
-    assert bad.returncode == 2 and "labels" in bad.stderr and "record 1" in bad.stderr
+    assert bad.returncode == 2 and "labels" in bad.stderr and "line 1" in bad.stderr

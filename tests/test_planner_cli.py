@@ -40,7 +40,7 @@ def test_degrees_evaluates_one_plan(capsys):
 
 @pytest.mark.parametrize("degrees, words", [
     ("dp_shard=4,tp=3", ["tp=3 must divide the heads", "= 12 GPUs, but the cluster has 16"]),
-    ("dp_shard=2,tp=8", ["GB per GPU", "more than the"]),
+    ("dp_shard=2,tp=8,ac=none,mbs=1", ["GB per GPU", "more than the"]),
 ])
 def test_degrees_infeasible_explains_and_exits_2(capsys, degrees, words):
     code, out = run_json(capsys, "--model", "llama3-70b", "--gpus", "16", "--degrees", degrees,
@@ -130,3 +130,62 @@ def test_a_gpu_bound_step_reports_no_host_time(capsys):
     assert main(["plan", "--model", "llama3-70b", "--gpus", "64", "--gpus-per-node", "8", "--gpu", "h100",
                  "--top", "1"]) == 0
     assert "host overhead" not in capsys.readouterr().out
+
+
+def test_degrees_search_the_knobs_not_given(capsys):
+    """Llama 3 405B at Meta's published degrees (arXiv 2407.21783, Table 4: 400 TFLOP/s per GPU on
+    16,384 H100): with only the degrees, the planner searches virtual stages, recompute and
+    resharding and lands within 20 %; knobs that are given are kept."""
+    argv = ["--model", "llama3-405b", "--gpus", "16384", "--gpus-per-node", "8", "--gpu", "h100",
+            "--seq-len", "8192", "--global-batch", "2048"]
+    code, out = run_json(capsys, *argv, "--degrees", "tp=8,pp=16,dp_shard=128")
+    assert code == 0 and {"virtual_stages", "ac", "kernels"} <= set(out["searched"])
+    best = out["plans"][0]
+    assert abs(best["mfu"] * 989 / 400 - 1) < 0.2
+    assert best["virtual_stages"] > 1
+    code, fixed = run_json(capsys, *argv, "--degrees", "tp=8,pp=16,dp_shard=64,dp_replicate=2,ac=full,v=1")
+    plan = (fixed["plans"] or [fixed.get("estimate")])[0]
+    assert (plan["ac"], plan["virtual_stages"], plan["schedule"]) == ("full", 1, "1F1B")
+    assert "ac" not in fixed["searched"] and "virtual_stages" not in fixed["searched"]
+
+
+def test_default_global_batch_is_4m_tokens_for_llms(capsys):
+    code, out = run_json(capsys, "--model", "llama3-405b", "--gpus", "16384", "--seq-len", "8192",
+                         "--degrees", "tp=8,pp=16,dp_shard=128")
+    assert out["global_batch"] == 4 * 2**20 // 8192 == 512
+    code, out = run_json(capsys, "--model", "llama3-8b", "--gpus", "8", "--seq-len", "8192",
+                         "--degrees", "dp_shard=8")
+    assert out["global_batch"] == 8     # one sequence per GPU is below the cap
+
+
+def test_help_states_the_default_global_batch(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    assert "4M tokens" in " ".join(capsys.readouterr().out.split())
+
+
+def test_validate_prints_every_published_run(capsys):
+    from gemcore.planner.validation import RUNS, predict
+
+    assert main(["plan", "--validate"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 + len(RUNS)
+    for run, line in zip(RUNS, lines[1:]):
+        assert line.startswith(run.name)
+        got = predict(run)
+        assert ("does not fit" in line) == (not got.fits)
+        if got.fits:
+            assert f"{got.predicted:,.0f} ({got.error:+4.0%})" in line
+    meta = predict(next(r for r in RUNS if r.name == "Meta 405B, 16,384 H100"))
+    assert meta.fits and abs(meta.error) < 0.2
+
+
+def test_validate_marks_a_layout_that_does_not_fit():
+    from dataclasses import replace
+
+    from gemcore.planner.validation import RUNS, predict, table
+
+    too_big = replace(RUNS[0], name="405B on 64 GPUs", gpus=64, degrees="tp=8,pp=8",
+                      global_batch=16)
+    assert not predict(too_big).fits
+    assert "does not fit" in table([too_big])[1] and "GB allowed" in table([too_big])[1]

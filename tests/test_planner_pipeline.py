@@ -102,8 +102,10 @@ def test_gem_train_with_a_plan_resumes_and_matches_one_process(tmp_path, nproc, 
     assert main(["train", *tiny, "--name", "one"]) == 0
     gem = ["gemcore.cli.main", "train", *tiny, "--name", "pp", "--parallel", "planned",
            "--set", f"parallelism.degrees={degrees}", "--stop-after", "2"]
-    _torchrun(nproc, gem)
+    first = _torchrun(nproc, gem)
     _torchrun(nproc, ["gemcore.cli.main", "train", "--quiet", "--resume", str(tmp_path / "pp")])
+    # one summary (global rank 0's), naming the run folder that exists
+    assert first.stdout.count("gem train:") == 1 and first.stdout.count("held-out AUC") == 1, first.stdout
 
     def rows(name):
         return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
@@ -114,6 +116,8 @@ def test_gem_train_with_a_plan_resumes_and_matches_one_process(tmp_path, nproc, 
         [r["loss"] for r in one] + [r["grad_norm"] for r in one], rel=1e-5, abs=1e-6)
     summary = json.loads((tmp_path / "pp" / "summary.json").read_text())
     assert summary["resumed_from_step"] == 2 and degrees.split(",")[0] in summary["parallelism"]
+    # the whole model's parameters, not one stage's or one shard's
+    assert summary["parameters"] == json.loads((tmp_path / "one" / "summary.json").read_text())["parameters"]
     # rates are per device: a pipeline's (or a tp group's) ranks share each batch
     plan = Plan.parse(degrees)
     assert summary["model_parallel"] == plan.tp * plan.cp * plan.pp

@@ -192,7 +192,7 @@ def test_malformed_data_row_exits_2_naming_file_and_row(tmp_path, capsys):
     code = main(["train", "--quiet", "--set", f"run.out_dir={tmp_path}", "--set", "data.source=jsonl",
                  "--set", f"data.path={data}", "--max-steps", "1"])
     err = capsys.readouterr().err
-    assert code == 2 and str(data) in err and "record 3" in err and "labels" in err
+    assert code == 2 and str(data) in err and "line 3" in err and "labels" in err
 
 
 needs_mpirun = pytest.mark.skipif(shutil.which("mpirun", path=os.pathsep.join(

@@ -4,6 +4,11 @@
              [--seq-len S] [--global-batch SEQUENCES] [--top K] [--json]
              [--degrees dp_shard=32,tp=8,...] [--cluster FILE.toml]
              [--kernels fused|eager|compiled-blocks|eager-torch-rmsnorm] [--calibrate]
+    gem plan --validate
+
+With ``--degrees`` the knobs the text does not set (micro-batch, activation checkpointing and its
+selective policy, schedule and virtual stages, FSDP resharding, and the kernel stack unless
+``--kernels`` gives it) are searched, and the fastest layout that fits is shown.
 
 Exit codes: 0 a plan was found (or the given layout is feasible); 2 bad input or nothing fits
 (the explanation names every broken rule).
@@ -18,11 +23,11 @@ from gemcore.planner import cost as cost_model
 from gemcore.planner.cluster import GPUS, KERNEL_STACKS, Cluster, load_cluster, make_cluster
 from gemcore.planner.models import PRESETS, describe, load_model
 from gemcore.planner.plan import Plan, PlanError
-from gemcore.planner.search import search
+from gemcore.planner.search import SEARCHED_KNOBS, complete, search
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, metavar="PRESET|FILE.toml",
+    p.add_argument("--model", metavar="PRESET|FILE.toml",
                    help=f"a preset ({', '.join(PRESETS)}) or a TOML model file")
     p.add_argument("--gpus", type=int, metavar="N", help="GPUs in all (required unless --cluster gives it)")
     p.add_argument("--gpus-per-node", type=int, metavar="G", help="GPUs per node (default: 8)")
@@ -36,17 +41,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the cost model counts their memory traffic")
     p.add_argument("--seq-len", type=int, metavar="S", help="sequence length (GEM: longest history)")
     p.add_argument("--global-batch", type=int, metavar="SEQUENCES",
-                   help="sequences (users) per optimizer step (default: the preset's per-GPU batch x GPUs)")
+                   help="sequences (users) per optimizer step (default: the preset's per-GPU batch x GPUs; "
+                        "for LLMs at most 4M tokens, 4,194,304 // seq-len sequences, as Llama 3 405B "
+                        "started its pre-training)"),
     p.add_argument("--top", type=int, default=5, metavar="K", help="plans to show (default 5)")
     p.add_argument("--degrees", metavar="dp_shard=..,tp=..",
                    help="evaluate this layout instead of searching (keys: dp_replicate, dp_shard, tp, cp, "
                         "ep, pp, mbs, ac=none|selective|full, sac=all_mm|every_other_mm (ac=selective "
                         "keeps every matmul output, gemcore's default, or recomputes every second one, "
-                        "TorchTitan's op policy), schedule=1F1B|interleaved, v, reshard)")
+                        "TorchTitan's op policy), schedule=1F1B|interleaved, v, reshard); knobs not "
+                        "given are searched")
     p.add_argument("--calibrate", action="store_true",
                    help="measure GEMM, attention, memory and (under torchrun) collective rates on this "
                         "machine and plan with them")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--validate", action="store_true",
+                   help="print the planner's prediction against each published run it is validated "
+                        "on (Llama 3 405B, TorchTitan), given only what each source publishes")
 
 
 def build_cluster(args: argparse.Namespace) -> Cluster:
@@ -60,6 +71,13 @@ def build_cluster(args: argparse.Namespace) -> Cluster:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.validate:
+        from gemcore.planner.validation import table
+
+        print("\n".join(table()))
+        return 0
+    if not args.model:
+        raise ValueError("--model is required (or --validate)")
     for flag in ("seq_len", "global_batch", "top"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
@@ -73,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         cluster, calibration = calibrate_cluster(
             cluster, measure(model, seq_len=args.seq_len or model.seq_len), spec=model)
     seq_len = args.seq_len or model.seq_len
-    global_batch = args.global_batch or model.batch_per_gpu * cluster.gpus
+    global_batch = args.global_batch or model.default_global_batch(cluster.gpus, seq_len)
     context = {"model": model.name, "model_summary": describe(model), "gpus": cluster.gpus,
                "gpus_per_node": cluster.gpus_per_node, "gpu": cluster.gpu.name, "seq_len": seq_len,
                "global_batch": global_batch}
@@ -97,15 +115,22 @@ def run(args: argparse.Namespace) -> int:
 
 def _evaluate(args, model, cluster, seq_len, global_batch, context) -> int:
     try:
-        plan = Plan.parse(args.degrees)
+        plan, given = Plan.parse_given(args.degrees)
     except PlanError as exc:
         raise ValueError(str(exc)) from None
     problems = plan.violations(model, global_batch, cluster.gpus)
     if problems:
         _emit(args, {**context, "plans": [], "infeasible": problems}, problems)
         return 2
-    est = cost_model.estimate(model, cluster, plan, seq_len=seq_len, global_batch=global_batch)
-    if not est.fits:
+    kernels_given = args.kernels is not None or args.cluster is not None
+    found = complete(model, cluster, plan, given, seq_len=seq_len, global_batch=global_batch,
+                     kernels_given=kernels_given)
+    searched = [k for k in SEARCHED_KNOBS if k not in given and (k != "kernels" or not kernels_given)]
+    context["searched"] = searched
+    context["kernels"] = found.kernels
+    est = found.best or found.smallest or cost_model.estimate(model, cluster, plan, seq_len=seq_len,
+                                                              global_batch=global_batch)
+    if found.best is None:
         reasons = [f"needs {est.memory_total / 1e9:.1f} GB per GPU ("
                    + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in est.memory.items())
                    + f"), more than the {est.memory_limit / 1e9:.1f} GB allowed "
@@ -180,6 +205,8 @@ def _print_plans(out: dict, plans, stream=None) -> None:
     w = stream.write
     w(f"{out['model_summary']}\n{out['gpus']} x {out['gpu']} ({out['gpus_per_node']} per node), "
       f"seq {out['seq_len']}, global batch {out['global_batch']}\n")
+    if out.get("searched"):
+        w(f"searched (not given): {', '.join(out['searched'])}; kernels {out['kernels']}\n")
     if out.get("calibration"):
         w(f"calibrated: {out['calibration']}\n")
     w(f"{'#':>2} {'degrees':<44} {'mbs':>4} {'ac':<9} {'sched':<14} {'mem GB (p/g/o/a)':<26} "

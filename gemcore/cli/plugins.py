@@ -35,18 +35,13 @@ def describe(config, manager) -> dict:
     return {"plugins": plugins, "hook_points": points}
 
 
-def run(args: argparse.Namespace) -> int:
-    config, manager = load_from_args(args)
-    info = describe(config, manager)
-    if args.json:
-        print(json.dumps(info, indent=2))
-        return 0
-    from rich.console import Console
+def _table(info: dict):
+    """The hook points as one table (its natural width may exceed a narrow terminal)."""
     from rich.table import Table
 
     table = Table(title="gemcore hook points")
     for col in ("hook point", "config key", "implementation", "plugin", "distribution", "selected"):
-        table.add_column(col)
+        table.add_column(col, no_wrap=True)
     for point, entry in info["hook_points"].items():
         if not entry["implementations"]:
             table.add_row(point, entry["config_key"], "-", "-", "-", entry["selected"])
@@ -54,8 +49,39 @@ def run(args: argparse.Namespace) -> int:
             chosen = "*" if impl["name"] == entry["selected"] else ""
             table.add_row(point, entry["config_key"], impl["name"], impl["plugin"],
                           impl["distribution"] or "?", chosen)
+    return table
+
+
+def _list_lines(info: dict) -> list[str]:
+    """The same content as :func:`_table`, a hook point per heading and one short line per
+    implementation (``*``: the selected one)."""
+    lines = ["gemcore hook points (* selected)"]
+    for point, entry in info["hook_points"].items():
+        lines.append(f"{point} ({entry['config_key']} = {entry['selected']})")
+        for impl in entry["implementations"]:
+            mark = "*" if impl["name"] == entry["selected"] else " "
+            lines.append(f" {mark} {impl['name']}: plugin {impl['plugin']} ({impl['distribution'] or '?'})")
+        if not entry["implementations"]:
+            lines.append("   (no implementation)")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    config, manager = load_from_args(args)
+    info = describe(config, manager)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    from rich.console import Console
+
     console = Console()
-    console.print(table)
+    table = _table(info)
+    natural = console.measure(table, options=console.options.update_width(10_000)).maximum
+    if natural <= console.width:
+        console.print(table)
+    else:  # a narrow terminal: one line per implementation, nothing cut
+        for line in _list_lines(info):
+            console.print(line, markup=False, highlight=False, overflow="fold")
     for p in info["plugins"]:
         if p["status"] != "loaded":
             console.print(f"plugin {p['name']}: {p['status']}" + (f" ({p['error']})" if "error" in p else ""))

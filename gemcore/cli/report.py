@@ -12,7 +12,8 @@ def _pct(value: float | None) -> str:
 
 @contextlib.contextmanager
 def progress_bar(console, total_steps: int, disabled: bool = False):
-    """Yields ``update(step, loss, tokens_per_s, mfu=None, padded_waste=None)``."""
+    """Yields ``update(step, loss, tokens_per_s, mfu=None, padded_waste=None)``; the bar appears
+    at the first update (an error before training prints no bar)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     if disabled:
@@ -21,15 +22,24 @@ def progress_bar(console, total_steps: int, disabled: bool = False):
     columns = [TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
                TextColumn("MFU {task.fields[mfu]}"), TextColumn("padding would waste {task.fields[waste]}")]
-    with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("train", total=total_steps, loss=float("nan"), tps=0.0, mfu="n/a", waste="n/a")
+    progress = Progress(*columns, console=console, transient=False)
+    task = None
 
-        def update(step: int, loss: float, tokens_per_s: float, mfu: float | None = None,
-                   padded_waste: float | None = None) -> None:
-            progress.update(task, completed=step, loss=loss, tps=tokens_per_s, mfu=_pct(mfu),
-                            waste=_pct(padded_waste))
+    def update(step: int, loss: float, tokens_per_s: float, mfu: float | None = None,
+               padded_waste: float | None = None) -> None:
+        nonlocal task
+        if task is None:  # drawn from the first logged step on: nothing shows before training runs
+            progress.start()
+            task = progress.add_task("train", total=total_steps, completed=step, loss=loss,
+                                     tps=tokens_per_s, mfu=_pct(mfu), waste=_pct(padded_waste))
+        progress.update(task, completed=step, loss=loss, tps=tokens_per_s, mfu=_pct(mfu),
+                        waste=_pct(padded_waste))
 
+    try:
         yield update
+    finally:
+        if task is not None:
+            progress.stop()
 
 
 def _fmt(value: Any, spec: str) -> str:

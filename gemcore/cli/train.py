@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from pathlib import Path
 
 from gemcore.cli.common import add_config_arguments, load_from_args
@@ -13,11 +14,11 @@ FLAG_KEYS = (("parallel", "parallelism.impl"), ("name", "run.name"), ("max_steps
              ("max_time", "train.max_time_s"), ("eval_every", "train.eval_every"))
 
 
-def _non_negative(kind):
+def _non_negative(kind, least=0):
     def parse(text: str):
         value = kind(text)
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"expected a value >= 0, got {text!r}")
+        if value < least:
+            raise argparse.ArgumentTypeError(f"expected a value >= {least}, got {text!r}")
         return value
     return parse
 
@@ -25,12 +26,14 @@ def _non_negative(kind):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
     p.add_argument("--name", help="run name: output goes to runs/NAME/")
-    p.add_argument("--max-steps", type=_non_negative(int), metavar="N",
+    p.add_argument("--max-steps", type=_non_negative(int, least=1), metavar="N",
                    help="optimizer steps of the whole run (the LR schedule spans them)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="where to train")
     p.add_argument("--parallel", metavar="IMPL", help="parallelism.impl (single, fsdp, planned, auto, ...)")
     p.add_argument("--seed", type=_non_negative(int), metavar="S", help="seed of model, data and sampler")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR from its checkpoint; with a larger --max-steps the LR "
+                        "decay is re-based from the resume step to the new end (no jump)")
     p.add_argument("--checkpoint-every", type=_non_negative(int), metavar="N",
                    help="save a checkpoint every N steps (always at the end)")
     p.add_argument("--max-time", type=_non_negative(float), metavar="SECONDS",
@@ -64,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     from gemcore.cli.report import print_summary, progress_bar
     from gemcore.comms.launch import detect
     from gemcore.config import load_config
-    from gemcore.trainer import TrainError, run_training
+    from gemcore.trainer import RunComplete, TrainError, run_training
 
     extra, undeclared = [], {}
     for flag, key in FLAG_KEYS:
@@ -83,10 +86,19 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(saved, [*args.overrides, *extra])
     _apply_extra_fields(config, undeclared)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else None
-    console = Console(stderr=True)
-    with progress_bar(console, config.run.max_steps, disabled=args.quiet or detect().rank != 0) as update:
-        summary, run_dir = run_training(config, manager, resume=args.resume, progress=update,
-                                        stop_after=args.stop_after, peak_flops_per_s=peak)
-    if summary.get("rank", 0) == 0:
-        print_summary(Console(), summary, run_dir)
+    launch = detect()
+    # under a launcher (mpirun, torchrun) a rank's output is relayed: plain text, no ANSI codes,
+    # whatever the rank's own stream looks like; alone, rich decides from the stream
+    terminal = None if launch.launcher == "none" else False
+    console = Console(stderr=True, force_terminal=terminal)
+    try:
+        with progress_bar(console, config.run.max_steps, disabled=args.quiet or launch.rank != 0) as update:
+            summary, run_dir = run_training(config, manager, resume=args.resume, progress=update,
+                                            stop_after=args.stop_after, peak_flops_per_s=peak)
+    except RunComplete as done:
+        if launch.rank == 0:
+            print(f"gem train: {done}", file=sys.stderr)
+        return 0
+    if launch.rank == 0:  # global rank 0: the rank that wrote the run folder
+        print_summary(Console(force_terminal=terminal), summary, run_dir)
     return 0

@@ -10,7 +10,8 @@ One record per user with the fields:
 * ``labels``: list[0/1] click label per candidate (same length as ``candidates``).
 
 Item ids must lie in ``[0, model.num_items)`` and actions in ``[0, model.num_actions)``; a record
-that breaks a rule is a ``ValueError`` naming the line (or row) and the field.
+that breaks a rule is a ``ValueError`` naming the line (or row), the field, the value and the
+setting. docs/training.md ("Train on your own data") has a complete example.
 """
 from __future__ import annotations
 
@@ -30,13 +31,13 @@ def load_user_data(path: str | Path, *, source: str, num_items: int, num_actions
     if not path.exists():
         raise ValueError(f"data.path: no such file {str(path)!r}")
     if source == "jsonl":
-        records = _jsonl_records(path)
+        records = (("line", n, rec) for n, rec in _jsonl_records(path))
     elif source == "parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError:
             raise ValueError("data.source = 'parquet' needs pyarrow: pip install 'gemcore[parquet]'") from None
-        records = enumerate(pq.read_table(path).to_pylist(), start=1)
+        records = (("row", n, rec) for n, rec in enumerate(pq.read_table(path).to_pylist(), start=1))
     else:
         raise ValueError(f"data.source must be 'jsonl' or 'parquet', got {source!r}")
     return _build(records, num_items=num_items, num_actions=num_actions, time_buckets=time_buckets)
@@ -48,16 +49,20 @@ def _jsonl_records(path: Path) -> Iterable[tuple[int, dict]]:
             if line.strip():
                 try:
                     yield line_no, json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{line_no}: invalid JSON: {exc}") from None
+                except json.JSONDecodeError as exc:  # one position: the file's line, the parser's column
+                    raise ValueError(f"{path}: line {line_no}, column {exc.colno}: invalid JSON: {exc.msg}") from None
 
 
 def _build(records, *, num_items: int, num_actions: int, time_buckets: int) -> JaggedDataset:
     cols: dict[str, list] = {k: [] for k in ("items", "actions", "time_gaps", "candidates", "labels")}
     lengths, cand_lengths = [], []
-    for where, rec in records:
+    for unit, number, rec in records:
+        where = f"{unit} {number}"
+
         def fail(field: str, why: str):
-            raise ValueError(f"record {where}: field {field!r} {why}")
+            raise ValueError(f"{where}: field {field!r} {why}")
+        if not isinstance(rec, dict):
+            raise ValueError(f"{where}: expected a JSON object (one user), got {type(rec).__name__}")
         for field in ("items", "candidates", "labels"):
             if field not in rec:
                 fail(field, "is missing")
@@ -72,10 +77,16 @@ def _build(records, *, num_items: int, num_actions: int, time_buckets: int) -> J
             fail("candidates", "is empty")
         if len(labels) != len(cands):
             fail("labels", f"has {len(labels)} entries, candidates has {len(cands)}")
-        if any(not 0 <= i < num_items for i in items + cands):
-            fail("items/candidates", f"holds an id outside [0, {num_items})")
-        if any(not 0 <= a < num_actions for a in actions):
-            fail("actions", f"holds a value outside [0, {num_actions})")
+        for field, ids in (("items", items), ("candidates", cands)):
+            bad = next((i for i in ids if not (isinstance(i, int) and 0 <= i < num_items)), None)
+            if bad is not None:
+                fail(field, f"holds item id {bad!r}, outside [0, model.num_items = {num_items}); item ids "
+                            f"must be integers in [0, model.num_items): set model.num_items above the "
+                            f"largest id (--set model.num_items=N)")
+        bad = next((a for a in actions if not (isinstance(a, int) and 0 <= a < num_actions)), None)
+        if bad is not None:
+            fail("actions", f"holds action {bad!r}, outside [0, model.num_actions = {num_actions}) "
+                            f"(--set model.num_actions=N)")
         if any(lbl not in (0, 1) for lbl in labels):
             fail("labels", "holds a value other than 0 or 1")
         for key, value in (("items", items), ("actions", actions), ("time_gaps", gaps),

@@ -292,7 +292,7 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | N
     ``length_moments``: (E[L], E[L²]) of the sequences (incl. candidates) of one particular batch,
     instead of the model's length law (to predict a step that ran)."""
     S = seq_len or model.seq_len
-    B = global_batch or model.batch_per_gpu * cluster.gpus
+    B = global_batch or model.default_global_batch(cluster.gpus, S)
     g = cluster.gpu
     mean_len, mean_sq = length_moments or model.length_moments(S)
     tp, cp, pp, ep, v = plan.tp, plan.cp, plan.pp, plan.ep, plan.virtual_stages

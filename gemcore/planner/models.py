@@ -19,6 +19,12 @@ from typing import Literal
 import numpy as np
 
 
+#: tokens per optimizer step of an ``llm`` model's default global batch: the 4M tokens Llama 3 405B
+#: started its pre-training with (Llama 3 paper, arXiv 2407.21783, section 3.4.1; it later doubled
+#: to 8M and 16M)
+DEFAULT_TOKENS_PER_STEP = 4 * 2**20
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Shapes of one model. Every width is in elements; every count is per model.
@@ -40,7 +46,7 @@ class ModelSpec:
     head_dim: int = 0                 #: 0: hidden // num_heads
     kind: Literal["llm", "gem"] = "llm"
     seq_len: int = 8192               #: default sequence length (gem: longest history)
-    batch_per_gpu: int = 1            #: default global batch = this x GPUs (sequences / users)
+    batch_per_gpu: int = 1            #: default global batch = this x GPUs, capped (default_global_batch)
     # mixture of experts
     num_experts: int = 0              #: routed experts per MoE layer (0: dense)
     top_k: int = 0                    #: experts each token visits
@@ -136,6 +142,15 @@ class ModelSpec:
     def expert_params_per_layer(self) -> int:
         """Routed experts' weights of one MoE layer (3 matrices each)."""
         return self.num_experts * 3 * self.hidden * self.expert_ffn
+
+    def default_global_batch(self, gpus: int, seq_len: int | None = None) -> int:
+        """Sequences (gem: users) per optimizer step when the user gives none: ``batch_per_gpu``
+        per GPU, for ``llm`` models capped at :data:`DEFAULT_TOKENS_PER_STEP` tokens (at least one
+        sequence), so a large cluster does not plan an unrealistically large batch."""
+        batch = self.batch_per_gpu * gpus
+        if self.kind == "llm":
+            batch = min(batch, max(1, DEFAULT_TOKENS_PER_STEP // (seq_len or self.seq_len)))
+        return batch
 
     def dense_params_per_layer(self, moe: bool) -> int:
         """Weights every token of a layer uses: attention, norms, dense MLP or shared experts + router."""
@@ -306,4 +321,4 @@ def describe(spec: ModelSpec) -> str:
     return ", ".join(parts)
 
 
-__all__ = ["ModelSpec", "PRESETS", "load_model", "model_from_dict", "describe"]
+__all__ = ["DEFAULT_TOKENS_PER_STEP", "ModelSpec", "PRESETS", "load_model", "model_from_dict", "describe"]

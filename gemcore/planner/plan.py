@@ -40,6 +40,10 @@ SAC_POLICIES = ("all_mm", "every_other_mm")
 SCHEDULES = ("1F1B", "interleaved")
 
 
+#: short ``--degrees`` keys -> Plan field names
+PARSE_ALIASES = {"v": "virtual_stages", "vpp": "virtual_stages", "reshard": "reshard_after_forward"}
+
+
 class PlanError(ValueError):
     """A plan that breaks a rule; the message names the rule and prints every factor."""
 
@@ -174,10 +178,23 @@ class Plan:
         return d
 
     @classmethod
+    def parse_given(cls, text: str, world_size: int | None = None) -> tuple["Plan", set[str]]:
+        """:meth:`parse`, plus the field names ``text`` sets (``v`` counts as ``virtual_stages``
+        and ``schedule``)."""
+        plan = cls.parse(text, world_size)
+        given = set()
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            key = item.partition("=")[0].strip()
+            given.add(PARSE_ALIASES.get(key, key))
+        if "virtual_stages" in given:
+            given.add("schedule")
+        return plan, given
+
+    @classmethod
     def parse(cls, text: str, world_size: int | None = None) -> "Plan":
         """``dp_shard=32,tp=8[,dp_replicate=..,cp=..,ep=..,pp=..,mbs=..,ac=..,sac=..,schedule=..,v=..]``."""
         kwargs: dict = {}
-        aliases = {"v": "virtual_stages", "vpp": "virtual_stages", "reshard": "reshard_after_forward"}
+        aliases = PARSE_ALIASES
         known = {f.name for f in dataclasses.fields(cls)} - {"world_size"}
         for item in filter(None, (part.strip() for part in text.split(","))):
             key, sep, raw = item.partition("=")

@@ -12,9 +12,9 @@ memory). Plans whose tp or ep group leaves the node are kept but rank where thei
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Iterable
 
-from gemcore.planner.cluster import Cluster
+from gemcore.planner.cluster import KERNEL_STACKS, Cluster
 from gemcore.planner.cost import MEMORY_HEADROOM, Estimate, estimate, training_state_bytes
 from gemcore.planner.models import ModelSpec
 from gemcore.planner.plan import Plan
@@ -62,7 +62,7 @@ def search(model: ModelSpec, cluster: Cluster, *, seq_len: int | None = None,
     """The ``top`` feasible plans, best first; ``allow`` (degrees only) restricts the layouts,
     e.g. to those :func:`gemcore.parallel.apply.check_supported` accepts."""
     S = seq_len or model.seq_len
-    B = global_batch or model.batch_per_gpu * cluster.gpus
+    B = global_batch or model.default_global_batch(cluster.gpus, S)
     feasible: list[Estimate] = []
     rejected: dict[str, int] = {}
     smallest: Estimate | None = None
@@ -128,6 +128,78 @@ def search(model: ModelSpec, cluster: Cluster, *, seq_len: int | None = None,
     return SearchResult(feasible[:top], considered, rejected, smallest)
 
 
+#: knobs of one layout that :func:`complete` searches when the user does not give them
+SEARCHED_KNOBS = ("mbs", "ac", "sac", "schedule", "virtual_stages", "reshard_after_forward", "kernels")
+
+
+def complete(model: ModelSpec, cluster: Cluster, plan: Plan, given: Iterable[str], *,
+             seq_len: int | None = None, global_batch: int | None = None,
+             kernels_given: bool = True) -> "Completion":
+    """The fastest fitting layout with ``plan``'s degrees, searching each knob of
+    :data:`SEARCHED_KNOBS` not named in ``given`` (``Plan`` field names): micro-batch, activation
+    checkpointing and its selective policy, schedule and virtual stages, FSDP resharding and, when
+    ``kernels_given`` is false, the cluster's kernel stack. Knobs in ``given`` keep ``plan``'s values.
+
+    Rules the degrees break (:meth:`Plan.violations`) are the caller's to check first.
+    """
+    given = set(given)
+    S = seq_len or model.seq_len
+    B = global_batch or model.default_global_batch(cluster.gpus, S)
+    per_rank = B // plan.dp if B % plan.dp == 0 else 0
+
+    def options(name: str, values: list) -> list:
+        return [getattr(plan, name)] if name in given else values
+
+    mbs_all = [1, 2, 4, 8] if model.kind == "llm" else [1, 8, 32, 128, 512]
+    mbs_choices = options("mbs", [m for m in mbs_all if per_rank and per_rank % m == 0] or [plan.mbs])
+    ac_choices = options("ac", ["none", "selective", "full"])
+    if "virtual_stages" in given:
+        sched_choices = [(plan.schedule, plan.virtual_stages)]
+    elif "schedule" in given and plan.schedule == "1F1B" or plan.pp == 1:
+        sched_choices = [("1F1B", 1)]
+    else:
+        vs = [v for v in (2, 4, 8) if plan.pp * v <= model.num_layers]
+        sched_choices = ([] if "schedule" in given else [("1F1B", 1)]) + [("interleaved", v) for v in vs]
+        sched_choices = sched_choices or [(plan.schedule, plan.virtual_stages)]
+    reshard_choices = options("reshard_after_forward",
+                              [True] if plan.dp_shard * plan.cp == 1 else [True, False])
+    clusters = ([cluster] if kernels_given else
+                [replace(cluster, kernels=k) for k in KERNEL_STACKS])
+    out = Completion(None, None, 0, cluster.kernels)
+    for cl in clusters:
+        for mbs in mbs_choices:
+            for schedule, v in sched_choices:
+                for reshard in reshard_choices:
+                    for ac in ac_choices:
+                        sacs = (options("sac", ["all_mm", "every_other_mm"]) if ac == "selective"
+                                else ["all_mm"])
+                        for sac in sacs:
+                            try:
+                                cand = replace(plan, mbs=mbs, ac=ac, sac=sac, schedule=schedule,
+                                               virtual_stages=v, reshard_after_forward=reshard)
+                            except ValueError:
+                                continue
+                            if cand.broken_rules(model, B, cluster.gpus):
+                                continue
+                            est = estimate(model, cl, cand, seq_len=S, global_batch=B)
+                            out.considered += 1
+                            if out.smallest is None or est.memory_total < out.smallest.memory_total:
+                                out.smallest = est
+                            if est.fits and (out.best is None or _rank_key(est) < _rank_key(out.best)):
+                                out.best, out.kernels = est, cl.kernels
+    return out
+
+
+@dataclass
+class Completion:
+    """What :func:`complete` found for one set of degrees."""
+
+    best: Estimate | None          #: the fastest fitting layout, or None when none fits
+    smallest: Estimate | None      #: the least memory-hungry layout evaluated
+    considered: int                #: layouts evaluated
+    kernels: str                   #: the kernel stack of ``best`` (the cluster's when none fits)
+
+
 def _rank_key(est: Estimate):
     """Best tokens/s per GPU first (4 significant digits, so float noise does not decide); then the
     simpler layout (fewer mesh dimensions in use, cp and pp last), then less memory."""
@@ -140,4 +212,4 @@ def _count(counter: dict[str, int], reason: str) -> None:
     counter[reason] = counter.get(reason, 0) + 1
 
 
-__all__ = ["search", "SearchResult", "candidate_degrees", "divisors"]
+__all__ = ["search", "complete", "Completion", "SEARCHED_KNOBS", "SearchResult", "candidate_degrees", "divisors"]
