@@ -82,8 +82,9 @@ def build_components(config: Config, manager: GemPluginManager) -> Components:
                               check=config.comms.check)
         except RuntimeError as exc:  # a backend that cannot run here says why in one line
             raise TrainError(f"comms.backend = {config.comms.backend!r}: {exc}") from None
-    parallelism = manager.resolve("parallelism", config.parallelism.impl).factory(
-        config.parallelism, comm=comm, run_config=config)
+    make_parallelism = manager.resolve("parallelism", config.parallelism.impl).factory
+    parallelism = make_parallelism(config.parallelism,
+                                   **_accepted(make_parallelism, {"comm": comm, "run_config": config}))
     sampler_factory = manager.resolve("data", config.data.sampler).factory
     return Components(attention, precision, parallelism, comm, sampler_factory)
 
@@ -195,7 +196,7 @@ def sample_cost_fn(model: GemModel, cand_lengths: torch.Tensor) -> Callable[[tor
 
 
 def _accepted(factory: Callable, options: dict[str, Any]) -> dict[str, Any]:
-    """The subset of ``options`` that ``factory`` takes (older samplers need not take them)."""
+    """The subset of ``options`` that ``factory`` takes (older plugins' factories need not take them)."""
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):

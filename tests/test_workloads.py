@@ -54,7 +54,9 @@ def test_bench_workloads():
     q, kv = workload_lengths("cross")
     assert q.shape == kv.shape == (1152,) and bool((kv == 256).all()) and int(q.max()) <= 2048
     assert torch.equal(workload_lengths("heavytail")[0], heavy)
-    assert set(ATTENTION_WORKLOADS) == {"dense95", "heavytail", "cross"}
+    model, kv = workload_lengths("model")
+    assert kv is None and model.shape == (48,) and int(model.min()) >= 8 + 16 and int(model.max()) <= 4096 + 16
+    assert set(ATTENTION_WORKLOADS) == {"dense95", "heavytail", "cross", "model"}
 
 
 @pytest.mark.parametrize("args,words", [
