@@ -63,7 +63,8 @@ def _row(group, name, fn, work, unit, anchor=None, note="", check=None) -> Row:
         return Row(group, name, float("nan"), 0.0, unit, note=f"failed: {repr(exc)[:120]}")
     gpu_rate = rate(work, gpu_ms, unit)
     return Row(group, name, gpu_ms, gpu_rate, unit, gpu_rate / anchor if anchor else None,
-               note=f"host incl. {host_ms:.3f} ms = {rate(work, host_ms, unit):.0f} {unit}" + (f"; {note}" if note else ""))
+               note=f"host incl. {host_ms:.3f} ms = {rate(work, host_ms, unit):.0f} {unit}"
+               + (f"; {note}" if note else ""))
 
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -240,7 +241,8 @@ def bench_cast(tokens: int, K: int) -> list[Row]:
         got, got_t = fb.quantize_weight(w)
         ok = all(torch.equal(g.view(torch.uint8).cpu(), r.view(torch.uint8)) for g, r in
                  ((got.data[:256], ref_w.data), (got_t.data[:, :256], ref_wt.data)))
-        ok = ok and torch.equal(got.scale[:2].cpu(), ref_w.scale) and torch.equal(got_t.scale[:, :2].cpu(), ref_wt.scale)
+        ok = (ok and torch.equal(got.scale[:2].cpu(), ref_w.scale)
+              and torch.equal(got_t.scale[:, :2].cpu(), ref_wt.scale))
         return "bit-exact on the first 256 rows" if ok else "MISMATCH against the reference"
 
     rows.append(_row(group.replace(f"{tokens}x", "weight 4096x"), "fp8_block weight 128x128 + transpose, one read",
