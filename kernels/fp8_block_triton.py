@@ -167,7 +167,7 @@ def _fp8_block_mm(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
     _store_tile(c_ptr, acc, offs_m, offs_n, M, N, stride_cm, stride_cn)
 
 
-#: default tile (not yet tuned on a GPU); tests pin small ones
+#: default tile: not autotuned; faster on an H100 than the other tiles `gem bench mx` times (docs/fp8.md)
 MM_TILE = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4)
 
 
