@@ -74,11 +74,19 @@ def _fp8_block_cast(x_ptr, rdata_ptr, rscale_ptr, cdata_ptr, cscale_ptr, R, C, R
     bits = tl.where(bits < 0x800000, 0, bits)
     row_ok = r[:, None] < R_PAD
     if SQUARE:
-        byte = _block_byte(tl.max(tl.max(bits, axis=1), axis=0))
+        block_amax = tl.max(tl.max(bits, axis=1), axis=0)
+        byte = _block_byte(block_amax)
         q = _e4m3(x, _inv_scale(byte), byte == 255, SOFT_ROUND)
         tl.store(rdata_ptr + r[:, None] * C_PAD + c[None, :], q)
         if COLS:
-            tl.store(cdata_ptr + c[None, :] * R_PAD + r[:, None], q)
+            # The transposed copy is encoded again, from a per-column byte vector (each column's
+            # amax raised to the block's: the block's byte in every column), so that it is a tile
+            # of its own, built as the COLS branch below builds it. Stored from the same 1-byte
+            # tile as the row-major copy, the transposed store came out corrupted on an H100
+            # (triton 3.6), while each copy alone is right; compare triton-lang/triton#11111.
+            byte_c = _block_byte(tl.maximum(tl.max(bits, axis=0), block_amax))  # (128,)
+            q_t = _e4m3(x, _inv_scale(byte_c)[None, :], (byte_c == 255)[None, :], SOFT_ROUND)
+            tl.store(cdata_ptr + c[None, :] * R_PAD + r[:, None], q_t)
         tl.store(rscale_ptr + pid_r * stride_rsr + pid_c * stride_rsc, _scale_value(byte))
     else:
         if ROWS:
@@ -159,7 +167,7 @@ def _fp8_block_mm(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
     _store_tile(c_ptr, acc, offs_m, offs_n, M, N, stride_cm, stride_cn)
 
 
-#: default tile (not yet tuned on a GPU); tests pin small ones
+#: default tile: not autotuned; faster on an H100 than the other tiles `gem bench mx` times (docs/fp8.md)
 MM_TILE = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4)
 
 

@@ -148,7 +148,7 @@ def test_fast_linear_on_an_empty_batch(backend):
 def test_fast_linear_against_float64(backend, kind, M, K, N):
     """Forward, dgrad and wgrad of the fast path against float64 products of the same casts."""
     x = on_device(block_data(kind, (M, K), seed=5)).requires_grad_()
-    lin = fb.FP8BlockLinear(K, N, bias=False, matmul=backend).to(DEVICE)
+    lin = fb.FP8BlockLinear(K, N, bias=False, matmul=backend, cast="triton").to(DEVICE)
     with torch.no_grad():
         lin.weight.copy_(on_device(block_data(partner(kind), (N, K), seed=6, rows_per_block=128)))
     dy = on_device(block_data(partner(kind), (M, N), seed=7))
@@ -158,6 +158,40 @@ def test_fast_linear_against_float64(backend, kind, M, K, N):
     assert rel_err(y, want_y) <= FAST_PATH_BOUND
     assert rel_err(x.grad, want_dx) <= FAST_PATH_BOUND
     assert rel_err(lin.weight.grad, want_dw) <= FAST_PATH_BOUND
+
+
+def _on_device(t: fb.BlockFP8) -> fb.BlockFP8:
+    return fb.BlockFP8(t.data.to(DEVICE), t.scale.to(DEVICE), t.block_rows)  # (strides kept)
+
+
+@pytest.mark.parametrize("backend", FAST)
+def test_fast_linear_triton_casts_change_nothing(backend, monkeypatch):
+    """The Triton casts inside FP8BlockLinear give the CPU reference casts' bits, so forward,
+    dgrad and wgrad through the same GEMM backend are identical: a wrong element in any of the six
+    FP8 copies (x, x^T, W, W^T, dy, dy^T) shows here as an output or gradient that differs."""
+    M, K, N = (150, 256, 384) if INTERPRET else (517, 384, 256)
+    x = on_device(block_data("spread", (M, K), seed=8))
+    w = on_device(block_data("spread", (N, K), seed=9, rows_per_block=128))
+    dy = on_device(block_data("spread", (M, N), seed=10))
+
+    def run():
+        xi = x.clone().requires_grad_()
+        lin = fb.FP8BlockLinear(K, N, bias=False, matmul=backend, cast="triton").to(DEVICE)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+        y = lin(xi)
+        y.backward(dy)
+        return y.detach(), xi.grad, lin.weight.grad
+
+    got = run()
+    act, weight = fb.quantize_act, fb.quantize_weight  # the layer's casts, now on the CPU reference
+    monkeypatch.setattr(fb, "quantize_act", lambda t, backend: tuple(
+        _on_device(q) for q in act(t.detach().cpu(), backend="reference")))
+    monkeypatch.setattr(fb, "quantize_weight", lambda t, pad, backend: tuple(
+        _on_device(q) for q in weight(t.detach().cpu(), pad=pad, backend="reference")))
+    want = run()
+    for name, g, w_ in zip(("y", "dx", "dw"), got, want):
+        assert torch.equal(g, w_), (name, rel_err(g, w_))
 
 
 @pytest.mark.skipif(not CUDA, reason="bf16 autocast training step on a GPU")

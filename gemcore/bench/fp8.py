@@ -10,8 +10,9 @@ behind a spacer kernel) and host included (each call from an idle GPU, as a call
 * Linear forward+backward (6·tokens·K·N FLOPs): ``nn.Linear`` under bf16 autocast (anchor),
   a rowwise FP8 linear (all three GEMMs rowwise, casts in eager PyTorch) and ``FP8BlockLinear``
   (casts included).
-* Casts of a bf16 (tokens, K) activation and a (N, K) weight, GB/s = bytes read + written
-  (2 read, 1 written per element and layout, plus 4 bytes a block's scale), beside the
+* Casts of a bf16 (tokens, K) activation and a (N, K) weight, GB/s (1e9 bytes a second) = bytes
+  read + written (2 read, 1 written per element and layout, plus 4 bytes a block's scale), each
+  checked bit for bit against the reference on its first 256 rows, beside the
   device-to-device copy (the limit) and ``torch.compile`` of a plain-PyTorch 1x128 cast (and of
   torchao's ``to_mx`` where torchao is installed).
 """
@@ -41,6 +42,17 @@ def _times(fn) -> tuple[float, float]:
     return median_ms(fn, launch_hidden=True), median_ms(fn, launch_hidden=False)
 
 
+#: work per millisecond -> the unit: bytes/ms / 1e6 = GB/s (1e9 B/s), FLOPs/ms / 1e9 = TFLOP/s
+PER_MS = {"GB/s": 1e6, "TFLOP/s": 1e9}
+
+
+def rate(work: float, ms: float, unit: str) -> float:
+    """``work`` (bytes for GB/s, FLOPs for TFLOP/s) done in ``ms`` milliseconds, in ``unit``."""
+    if unit not in PER_MS:
+        raise ValueError(f"unit must be one of {tuple(PER_MS)}, got {unit!r}")
+    return work / ms / PER_MS[unit]
+
+
 def _row(group, name, fn, work, unit, anchor=None, note="", check=None) -> Row:
     """Time ``fn`` both ways; ``check()`` (run first) returns a note on the result's accuracy."""
     try:
@@ -49,9 +61,10 @@ def _row(group, name, fn, work, unit, anchor=None, note="", check=None) -> Row:
         gpu_ms, host_ms = _times(fn)
     except Exception as exc:  # noqa: BLE001 - report, keep benchmarking
         return Row(group, name, float("nan"), 0.0, unit, note=f"failed: {repr(exc)[:120]}")
-    rate = work / gpu_ms / 1e9
-    return Row(group, name, gpu_ms, rate, unit, rate / anchor if anchor else None,
-               note=f"host incl. {host_ms:.3f} ms = {work / host_ms / 1e9:.0f} {unit}" + (f"; {note}" if note else ""))
+    gpu_rate = rate(work, gpu_ms, unit)
+    return Row(group, name, gpu_ms, gpu_rate, unit, gpu_rate / anchor if anchor else None,
+               note=f"host incl. {host_ms:.3f} ms = {rate(work, host_ms, unit):.0f} {unit}"
+               + (f"; {note}" if note else ""))
 
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -221,8 +234,19 @@ def bench_cast(tokens: int, K: int) -> list[Row]:
                      lambda: fb.quantize_act(x), n * (2 + 2 + 8 / 128), "GB/s", anchor,
                      check=lambda: exact_note(*fb.quantize_act(x))))
     w = torch.randn(4096, K, device="cuda", dtype=torch.bfloat16)
+    ref_w, ref_wt = fb.quantize_weight(w[:256].cpu(), backend="reference")
+
+    def weight_note() -> str:
+        """Both copies bit-exact against the reference on the first 256 rows (two block rows)."""
+        got, got_t = fb.quantize_weight(w)
+        ok = all(torch.equal(g.view(torch.uint8).cpu(), r.view(torch.uint8)) for g, r in
+                 ((got.data[:256], ref_w.data), (got_t.data[:, :256], ref_wt.data)))
+        ok = (ok and torch.equal(got.scale[:2].cpu(), ref_w.scale)
+              and torch.equal(got_t.scale[:, :2].cpu(), ref_wt.scale))
+        return "bit-exact on the first 256 rows" if ok else "MISMATCH against the reference"
+
     rows.append(_row(group.replace(f"{tokens}x", "weight 4096x"), "fp8_block weight 128x128 + transpose, one read",
-                     lambda: fb.quantize_weight(w), w.numel() * (2 + 2), "GB/s"))
+                     lambda: fb.quantize_weight(w), w.numel() * (2 + 2), "GB/s", check=weight_note))
     return rows
 
 
