@@ -200,25 +200,28 @@ def test_gathered_weight_is_read_only_and_checked_against_the_layer():
         mx._MXLinearFunction.apply(torch.randn(4, 32), full, mx.MXConfig(elem="e4m3"), torch.float32)
 
 
-def test_plugin_wraps_only_when_launched_on_several_ranks(monkeypatch):
-    from gemcore.plugins.precision_mx import make_policy
+def test_policy_wraps_only_when_fsdp_shards_the_weights(monkeypatch):
+    from gemcore.precision.mx import make_mx_policy
 
     class Cfg:
         impl = "mxfp8"
 
-    for var in ("WORLD_SIZE", "RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMI_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-    model = make_policy(Cfg()).apply(_model())
-    assert type(model[0].weight) is nn.Parameter and model[0].mx_config.dgrad_weight == "master"
+    # the launcher's environment says several ranks; only the fsdp_size the caller passes counts
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    policy = make_policy(Cfg())
-    model = policy.apply(_model())
+    for kwargs in ({}, {"fsdp_size": 1}):
+        model = make_mx_policy(Cfg()).apply(_model(), **kwargs)
+        assert type(model[0].weight) is nn.Parameter and model[0].mx_config.dgrad_weight == "master"
+    policy = make_mx_policy(Cfg())
+    model = policy.apply(_model(), fsdp_size=2)
     assert policy.mx_gathered == ["0", "2", "4"]
     assert type(model[0].weight) is MXShardedWeight and model[0].mx_config.dgrad_weight == "requant"
     Cfg.mx_fsdp_all_gather = False
-    model = make_policy(Cfg()).apply(_model())
+    model = make_mx_policy(Cfg()).apply(_model(), fsdp_size=2)
     assert type(model[0].weight) is nn.Parameter and model[0].mx_config.dgrad_weight == "master"
+    for bad in (0, -1, 2.0, True, "2"):
+        with pytest.raises(ValueError, match="fsdp_size"):
+            make_mx_policy(Cfg()).apply(_model(), fsdp_size=bad)
 
 
 # --------------------------------------------------------------------------- two processes
