@@ -87,12 +87,12 @@ class PrecisionConfig:
     mx_scale_rule: Literal["floor", "rceil"] = _f("rceil", "mxfp8: block scale rule (floor: OCP spec)")
     mx_min_features: int = _f(0, "mxfp8: keep linears with fewer in/out features in high precision")
     mx_keep: list[str] = _f(["router", "head"], "mxfp8: module-name parts kept in high precision")
-    mx_fsdp_all_gather: bool = _f(True, "mxfp8: under FSDP2 (several ranks) all-gather the MX layers' weights in MX "
+    mx_fsdp_all_gather: bool = _f(True, "mxfp8: when FSDP2 shards the weights, all-gather the MX layers' weights in MX "
                                   "(1 + 1/32 bytes an element) and recast the dgrad weight from them")
     fp8_matmul: Literal["auto", "reference", "cublas", "scaled_mm", "triton"] = _f(
         "auto", "fp8_block: GEMM backend (auto: reference on CPU, on CUDA only a backend verified on that GPU)")
     fp8_keep: list[str] = _f(["router", "head"], "fp8_block: module-name parts kept in high precision")
-    fp8_fsdp_all_gather: bool = _f(True, "fp8_block: under FSDP2 (several ranks) all-gather the FP8 layers' weights "
+    fp8_fsdp_all_gather: bool = _f(True, "fp8_block: when FSDP2 shards the weights, all-gather the FP8 layers' weights "
                                    "in FP8 (1 byte an element plus a float32 scale per 128x128 block)")
 
 

@@ -50,8 +50,12 @@ def gemcore_precision_policies() -> Mapping[str, Callable[..., Any]]:
 
     :return: ``{name: factory}``. ``factory(config: gemcore.config.PrecisionConfig)`` returns a
         :class:`gemcore.precision.PrecisionPolicy`: ``compute_dtype``, ``comm_dtype``,
-        ``apply(model) -> model`` (convert modules in place) and ``autocast(device_type)``
-        (a context manager around the forward pass). ``precision.impl`` selects one.
+        ``apply(model, *, fsdp_size=1) -> model`` (convert modules in place) and
+        ``autocast(device_type)`` (a context manager around the forward pass).
+        ``precision.impl`` selects one. The trainer applies the policy before the parallelism
+        and passes ``fsdp_size``, the ranks FSDP2 will shard each weight over (the parallelism's
+        ``fsdp_size``; 1: not sharded), only to an ``apply`` that takes it; a policy reads no
+        launcher environment to find it.
     """
 
 
@@ -62,7 +66,8 @@ def gemcore_parallelism_impls() -> Mapping[str, Callable[..., Any]]:
 
     :return: ``{name: factory}``. ``factory(config: gemcore.config.ParallelismConfig, *, comm,
         run_config)`` returns a :class:`gemcore.parallel.Parallelism`: ``rank``, ``world_size``,
-        ``describe() -> str`` and ``apply(model, device) -> model``. ``comm`` is the job's
+        ``describe() -> str``, ``apply(model, device) -> model`` and optionally ``fsdp_size``
+        (ranks FSDP2 shards each weight over; ``world_size`` where absent). ``comm`` is the job's
         communicator (the ``communication`` hook's choice, ``comms.backend``) or None: a factory
         moves every byte of its collectives through it (``gemcore.comms.process_group`` makes it
         torch.distributed's default group). ``run_config`` is the whole

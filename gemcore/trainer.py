@@ -196,7 +196,8 @@ def sample_cost_fn(model: GemModel, cand_lengths: torch.Tensor) -> Callable[[tor
 
 
 def _accepted(factory: Callable, options: dict[str, Any]) -> dict[str, Any]:
-    """The subset of ``options`` that ``factory`` takes (older plugins' factories need not take them)."""
+    """The subset of ``options`` that ``factory`` takes (older plugins' factories and precision
+    policies need not take them)."""
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
@@ -223,7 +224,10 @@ class Trainer:
         self.num_parameters = sum(p.numel() for p in model.parameters())
         self.flop_counter = model.flops
         sample_cost = sample_cost_fn(model, self.train_data.cand_lengths)
-        model = self.parts.precision.apply(model)
+        # the precision policy learns whether FSDP2 will shard the weights (to gather them in its format)
+        fsdp_size = getattr(self.parts.parallelism, "fsdp_size", self.parts.parallelism.world_size)
+        model = self.parts.precision.apply(model, **_accepted(self.parts.precision.apply,
+                                                              {"fsdp_size": fsdp_size}))
         self.model = self.parts.parallelism.apply(model, self.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.train.lr,
                                            weight_decay=config.train.weight_decay)

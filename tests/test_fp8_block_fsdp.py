@@ -123,19 +123,27 @@ def test_wrapped_model_trains_and_state_dict_is_plain():
     assert all(type(v) is torch.Tensor for v in opt.state[model[0].weight].values())
 
 
-def test_plugin_wraps_only_when_launched_on_several_ranks(monkeypatch):
+def test_policy_wraps_only_when_fsdp_shards_the_weights(monkeypatch):
     from gemcore.config import PrecisionConfig
-    from gemcore.plugins import precision_fp8_block as plug
+    from gemcore.precision.fp8_block import FP8BlockPrecisionPolicy, make_fp8_block_policy
 
-    policy = plug.make_policy(PrecisionConfig(impl="fp8_block"))
-    model = policy.apply(_model())
-    assert policy.fp8_gathered == [] and type(model[0].weight.data) is torch.Tensor
-    monkeypatch.setattr(plug, "_launched_ranks", lambda: 2)
-    policy = plug.make_policy(PrecisionConfig(impl="fp8_block"))
-    model = policy.apply(nn.Sequential(nn.Linear(256, 256)))
+    # the launcher's environment says several ranks; only the fsdp_size the caller passes counts
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    for kwargs in ({}, {"fsdp_size": 1}):
+        policy = make_fp8_block_policy(PrecisionConfig(impl="fp8_block"))
+        model = policy.apply(_model(), **kwargs)
+        assert policy.fp8_gathered == [] and type(model[0].weight.data) is torch.Tensor
+    policy = make_fp8_block_policy(PrecisionConfig(impl="fp8_block"))
+    model = policy.apply(nn.Sequential(nn.Linear(256, 256)), fsdp_size=2)
     assert policy.fp8_gathered == ["0"] and isinstance(model[0].weight.data, FP8BlockShardedWeight)
+    policy = make_fp8_block_policy(PrecisionConfig(impl="fp8_block", fp8_fsdp_all_gather=False))
+    model = policy.apply(nn.Sequential(nn.Linear(256, 256)), fsdp_size=2)
+    assert policy.fp8_gathered == [] and type(model[0].weight.data) is torch.Tensor
+    with pytest.raises(ValueError, match="fsdp_size"):
+        policy.apply(_model(), fsdp_size=0)
     with pytest.raises(ValueError, match="fp8_fsdp_all_gather"):
-        plug.FP8BlockPrecisionPolicy(fsdp_all_gather="yes")
+        FP8BlockPrecisionPolicy(fsdp_all_gather="yes")
 
 
 # --------------------------------------------------------------------------- two ranks

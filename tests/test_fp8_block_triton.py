@@ -216,7 +216,7 @@ def test_fast_linear_bf16_autocast_close_to_nn_linear(backend):
 @pytest.mark.skipif(not CUDA, reason="a GPU run of the plugin")
 def test_plugin_trains_on_gpu_through_fast_path():
     from gemcore.config import PrecisionConfig
-    from gemcore.plugins.precision_fp8_block import make_policy
+    from gemcore.precision.fp8_block import make_fp8_block_policy as make_policy
     from tests.test_mx import _tiny_setup
 
     for backend in FAST:

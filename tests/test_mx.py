@@ -386,7 +386,7 @@ def _train(policy, steps=30, seed=0) -> list[float]:
 
 def test_loss_parity():
     from gemcore.precision import AutocastPolicy
-    from gemcore.plugins.precision_mx import MXPrecisionPolicy
+    from gemcore.precision.mx import MXPrecisionPolicy
 
     bf16 = _train(AutocastPolicy("bf16", torch.bfloat16))
     mxfp8 = _train(MXPrecisionPolicy())
@@ -455,7 +455,7 @@ def test_mxlinear_tensor_parallel_bad_layouts(one_rank_group):
 
 def test_mx_policy_options_come_from_the_precision_config():
     from gemcore.config import PrecisionConfig
-    from gemcore.plugins.precision_mx import MXPrecisionPolicy, make_policy
+    from gemcore.precision.mx import MXPrecisionPolicy, make_mx_policy as make_policy
 
     default = PrecisionConfig()
     for policy in (MXPrecisionPolicy(), make_policy(PrecisionConfig(impl="mxfp8")), make_policy(object())):

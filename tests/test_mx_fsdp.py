@@ -200,25 +200,28 @@ def test_gathered_weight_is_read_only_and_checked_against_the_layer():
         mx._MXLinearFunction.apply(torch.randn(4, 32), full, mx.MXConfig(elem="e4m3"), torch.float32)
 
 
-def test_plugin_wraps_only_when_launched_on_several_ranks(monkeypatch):
-    from gemcore.plugins.precision_mx import make_policy
+def test_policy_wraps_only_when_fsdp_shards_the_weights(monkeypatch):
+    from gemcore.precision.mx import make_mx_policy
 
     class Cfg:
         impl = "mxfp8"
 
-    for var in ("WORLD_SIZE", "RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMI_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-    model = make_policy(Cfg()).apply(_model())
-    assert type(model[0].weight) is nn.Parameter and model[0].mx_config.dgrad_weight == "master"
+    # the launcher's environment says several ranks; only the fsdp_size the caller passes counts
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    policy = make_policy(Cfg())
-    model = policy.apply(_model())
+    for kwargs in ({}, {"fsdp_size": 1}):
+        model = make_mx_policy(Cfg()).apply(_model(), **kwargs)
+        assert type(model[0].weight) is nn.Parameter and model[0].mx_config.dgrad_weight == "master"
+    policy = make_mx_policy(Cfg())
+    model = policy.apply(_model(), fsdp_size=2)
     assert policy.mx_gathered == ["0", "2", "4"]
     assert type(model[0].weight) is MXShardedWeight and model[0].mx_config.dgrad_weight == "requant"
     Cfg.mx_fsdp_all_gather = False
-    model = make_policy(Cfg()).apply(_model())
+    model = make_mx_policy(Cfg()).apply(_model(), fsdp_size=2)
     assert type(model[0].weight) is nn.Parameter and model[0].mx_config.dgrad_weight == "master"
+    for bad in (0, -1, 2.0, True, "2"):
+        with pytest.raises(ValueError, match="fsdp_size"):
+            make_mx_policy(Cfg()).apply(_model(), fsdp_size=bad)
 
 
 # --------------------------------------------------------------------------- two processes
@@ -237,6 +240,50 @@ def test_fsdp2_mx_all_gather_under_mpirun():
     assert done.returncode == 0, out[-6000:]
     for rank in range(2):
         assert f"[rank {rank}] OK" in done.stdout, out[-6000:]
+
+
+TRAINER_SCRIPT = """
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from gemcore.config import load_config
+from gemcore.plugin_manager import create_plugin_manager
+from gemcore.trainer import Trainer
+
+out, overrides = Path(sys.argv[1]), sys.argv[2:]
+config = load_config(None, [*overrides, "precision.impl='mxfp8'", "parallelism.impl='fsdp'",
+                            f"run.out_dir='{out}'"])
+trainer = Trainer(config, create_plugin_manager(), out / "run")
+rank = dist.get_rank()
+print(f"[rank {rank}] fsdp_size={trainer.parts.parallelism.fsdp_size} "
+      f"mx_gathered={len(trainer.parts.precision.mx_gathered)}", flush=True)
+trainer.parts.parallelism.close()
+"""
+
+
+@pytest.mark.mpi
+def test_trainer_tells_the_mx_policy_that_fsdp_shards_over_two_ranks(tmp_path):
+    """Under ``parallelism.impl=fsdp`` on two ranks the trainer passes the parallelism's
+    fsdp_size (2) to the mxfp8 policy, which wraps its MX layers' weights for the MX all-gather."""
+    from conftest import TINY
+
+    script = tmp_path / "build_trainer.py"
+    script.write_text(TRAINER_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        env.pop(var, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(script), str(tmp_path), *TINY]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-6000:]
+    for rank in range(2):
+        line = next((ln for ln in done.stdout.splitlines() if ln.startswith(f"[rank {rank}]")), None)
+        assert line is not None, out[-6000:]
+        fsdp_size, gathered = (int(part.split("=")[1]) for part in line.split()[2:])
+        assert fsdp_size == 2 and gathered > 0, line
 
 
 class _CountAllGather:

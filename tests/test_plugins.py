@@ -183,3 +183,35 @@ def test_lifecycle_hooks_are_called(tmp_path):
 
 
 from conftest import TINY as TINY_OVERRIDES  # noqa: E402
+
+
+def test_trainer_tells_the_precision_policy_fsdp_size_when_its_apply_takes_it(tmp_path):
+    """A policy whose ``apply`` takes ``fsdp_size`` gets the parallelism's (1 in one process); one
+    whose ``apply(model)`` takes only the model still works."""
+    from gemcore.config import load_config
+    from gemcore.precision import PrecisionPolicy
+    from gemcore.trainer import Trainer
+
+    seen = {}
+
+    class Sized(PrecisionPolicy):
+        def apply(self, model, *, fsdp_size=1):
+            seen["sized"] = fsdp_size
+            return model
+
+    class Plain(PrecisionPolicy):
+        def apply(self, model):
+            seen["plain"] = True
+            return model
+
+    class Policies:
+        @hookimpl
+        def gemcore_precision_policies(self):
+            return {"sized": lambda config: Sized(), "plain": lambda config: Plain()}
+
+    for name in ("sized", "plain"):
+        config = load_config(None, [*TINY_OVERRIDES, f"run.out_dir='{tmp_path}'", f"precision.impl='{name}'"])
+        manager = create_plugin_manager([])
+        manager.register(Policies(), name="policies")
+        Trainer(config, manager, tmp_path / name)
+    assert seen == {"sized": 1, "plain": True}

@@ -79,9 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     model = GemModel(cfg, make_attention(AttentionConfig(), backend=backend)).to(dtype=dtype)
     if args.mx:
         from gemcore.config import PrecisionConfig
-        from gemcore.plugins.precision_mx import make_policy
+        from gemcore.precision.mx import make_mx_policy
 
-        model = make_policy(PrecisionConfig(impl="mxfp8")).apply(model)
+        model = make_mx_policy(PrecisionConfig(impl="mxfp8")).apply(model, fsdp_size=par.fsdp_size)
     model = par.apply(model, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = make_synthetic(num_users=args.batch * args.steps, num_items=cfg.num_items,

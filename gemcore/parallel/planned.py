@@ -107,7 +107,7 @@ class PlannedParallelism(Parallelism):
         self.attention = attention or {}
         self.label = label
         self.mesh = None
-        self.rank, self.world_size = 0, 1
+        self.rank, self.world_size, self.fsdp_size = 0, 1, 1
         self._owns_group = False
         if env["world_size"] > 1:
             from gemcore.parallel.apply import build_mesh, data_parallel_coordinates
@@ -115,6 +115,7 @@ class PlannedParallelism(Parallelism):
             self._owns_group = init_process_group(env, device, comm)
             self.mesh = build_mesh(plan, device)
             self.rank, self.world_size = data_parallel_coordinates(self.mesh)
+            self.fsdp_size = plan.fsdp_size  # FSDP2 over dp_shard x cp (HSDP: per replica)
 
     def apply(self, model: nn.Module, device: torch.device) -> nn.Module:
         if self.mesh is None:

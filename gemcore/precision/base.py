@@ -1,4 +1,4 @@
-"""The precision policy interface (hook point ``precision``)."""
+"""The precision policy interface (hook point ``precision``) and the autocast policies."""
 from __future__ import annotations
 
 import contextlib
@@ -13,7 +13,11 @@ class PrecisionPolicy:
 
     ``compute_dtype``: dtype of matrix products in the forward/backward pass.
     ``comm_dtype``: dtype gradients/parameters travel in across ranks.
-    ``apply(model)``: convert modules in place (e.g. swap nn.Linear for MXLinear); returns the model.
+    ``apply(model, *, fsdp_size=1)``: convert modules in place (e.g. swap nn.Linear for MXLinear);
+    returns the model. ``fsdp_size``: ranks FSDP2 will shard each weight over once the
+    parallelism is applied (1: not sharded); a policy may prepare its weights for that (an
+    all-gather in a low-precision format). The keyword is optional: the trainer passes it only to
+    an ``apply`` that takes it.
     ``autocast(device_type)``: context manager wrapped around the forward pass and loss.
     Master weights and optimizer state stay float32 in every built-in policy.
     """
@@ -22,11 +26,18 @@ class PrecisionPolicy:
     compute_dtype: torch.dtype = torch.float32
     comm_dtype: torch.dtype = torch.float32
 
-    def apply(self, model: nn.Module) -> nn.Module:
+    def apply(self, model: nn.Module, *, fsdp_size: int = 1) -> nn.Module:
         return model
 
     def autocast(self, device_type: str) -> ContextManager:
         return contextlib.nullcontext()
+
+
+def check_fsdp_size(fsdp_size: int) -> None:
+    """ValueError unless ``fsdp_size`` (ranks FSDP2 shards each weight over) is a positive int."""
+    if isinstance(fsdp_size, bool) or not isinstance(fsdp_size, int) or fsdp_size < 1:
+        raise ValueError(f"fsdp_size must be a positive int (ranks FSDP2 shards each weight over), "
+                         f"got {fsdp_size!r}")
 
 
 class AutocastPolicy(PrecisionPolicy):
