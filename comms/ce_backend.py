@@ -92,7 +92,7 @@ def import_cupy():
         import cupy
     except ImportError as exc:
         raise RuntimeError("backend 'ce' needs CuPy for CUDA IPC: pip install cupy-cuda12x "
-                           f"(or cupy-cuda13x; the 'gpu' extra) ({exc})") from exc
+                           f"(CUDA 12: 'gemcore[gpu]'; CUDA 13: 'gemcore[gpu-cuda13]', cupy-cuda13x) ({exc})") from exc
     return cupy
 
 
