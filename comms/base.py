@@ -161,17 +161,7 @@ class Communicator(abc.ABC):
         :return: ``(sum(out_splits), ...)``.
         """
         _need_tensor(t, "t", min_dim=1)
-        w = self.world_size
-        in_splits = _send_splits(t, in_splits, w)
-        if out_splits is not None:
-            out_splits = _need_splits(out_splits, "out_splits", w)
-        self._agree("all_to_all", t)
-        if out_splits is None or self.check:
-            told = self._exchange_splits(in_splits)
-            if out_splits is not None and told != out_splits:
-                raise MismatchError(f"[rank {self.rank}] out_splits={out_splits} but the ranks send "
-                                    f"{told} rows here")
-            out_splits = told
+        in_splits, out_splits = self._agree_splits(t, in_splits, out_splits)
         return self._all_to_all_impl(t.contiguous(), in_splits, out_splits)
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -244,17 +234,7 @@ class Communicator(abc.ABC):
                         out_splits: Sequence[int] | None = None) -> torch.Tensor:
         """:meth:`all_to_all` written into ``out`` (``(sum(out_splits), ...)``, contiguous)."""
         _need_tensor(t, "t", min_dim=1)
-        w = self.world_size
-        in_splits = _send_splits(t, in_splits, w)
-        if out_splits is not None:
-            out_splits = _need_splits(out_splits, "out_splits", w)
-        self._agree("all_to_all", t)
-        if out_splits is None or self.check:
-            told = self._exchange_splits(in_splits)
-            if out_splits is not None and told != out_splits:
-                raise MismatchError(f"[rank {self.rank}] out_splits={out_splits} but the ranks send "
-                                    f"{told} rows here")
-            out_splits = told
+        in_splits, out_splits = self._agree_splits(t, in_splits, out_splits)
         _need_out(out, t, (sum(out_splits), *t.shape[1:]))
         self._all_to_all_into_impl(out, t.contiguous(), in_splits, out_splits)
         return out
@@ -346,6 +326,21 @@ class Communicator(abc.ABC):
         name_r, what_r = _describe_sig(table[r].tolist())
         raise MismatchError(f"[rank {self.rank}] {collective}: the ranks' calls differ: rank 0 called "
                             f"{name0} with {what0}, rank {r} called {name_r} with {what_r}")
+
+    def _agree_splits(self, t: torch.Tensor, in_splits, out_splits) -> tuple[list[int], list[int]]:
+        """All-to-all's checked ``(in_splits, out_splits)``; the ranks agree on the call first."""
+        w = self.world_size
+        in_splits = _send_splits(t, in_splits, w)
+        if out_splits is not None:
+            out_splits = _need_splits(out_splits, "out_splits", w)
+        self._agree("all_to_all", t)
+        if out_splits is None or self.check:
+            told = self._exchange_splits(in_splits)
+            if out_splits is not None and told != out_splits:
+                raise MismatchError(f"[rank {self.rank}] out_splits={out_splits} but the ranks send "
+                                    f"{told} rows here")
+            out_splits = told
+        return in_splits, out_splits
 
     def _exchange_splits(self, in_splits: list[int]) -> list[int]:
         """Rows every rank sends here, given the rows this rank sends to each rank."""
