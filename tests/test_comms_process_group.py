@@ -150,3 +150,31 @@ def test_ce_without_cuda_is_a_one_line_error(tmp_path, monkeypatch, tiny_args):
     assert result.returncode != 0
     text = (result.stdout + result.stderr).strip()
     assert "needs a CUDA GPU" in text, text
+
+
+@needs_mpirun
+@pytest.mark.mpi
+def test_bench_comms_step_reports_each_backend_against_the_first():
+    cmd = [str(MPIRUN), "-n", "2", "--oversubscribe", sys.executable, "-m", "gemcore.cli.main", "bench",
+           "comms_step", "--backends", "torch,mpi", "--repeats", "1", "--steps", "2", "--warmup", "0",
+           "--users", "4", "--max-len", "16", "--hidden", "16", "--blocks", "1", "--json"]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    report = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
+    rows = {r["backend"]: r for r in report["rows"]}
+    assert set(rows) == {"torch", "mpi"} and report["ranks"] == 2
+    assert rows["torch"]["ratio"] == 1.0 and rows["mpi"]["step_ms"] > 0
+    assert rows["mpi"]["max_loss_diff"] <= 1e-5
+
+
+def test_bench_comms_step_refuses_one_process(capsys):
+    import argparse
+
+    from gemcore.bench import comms_step
+
+    p = argparse.ArgumentParser()
+    comms_step.add_arguments(p)
+    with pytest.raises(SystemExit, match="at least 2 ranks"):
+        comms_step.run(p.parse_args([]))
+    with pytest.raises(SystemExit, match="--steps must be >= 1"):
+        comms_step.run(p.parse_args(["--steps", "0"]))

@@ -35,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len", type=int, default=128)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--blocks", type=int, default=2)
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                   help="the gemcore communicator's per-call agreement check (comms.check)")
     p.add_argument("--json", action="store_true")
 
 
@@ -125,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     custom = [b for b in backends if b != "torch"]
     if len(set(custom)) > 1:
         raise SystemExit(f"--backends: at most one gemcore backend per run besides torch, got {custom}")
-    comm = comms.init(custom[0], timeout_s=120) if custom else None
+    comm = comms.init(custom[0], timeout_s=120, check=args.check) if custom else None
     data = make_synthetic(num_users=args.users * (args.warmup + args.steps), num_items=300,
                           num_actions=_model_config(args).num_actions,
                           max_len=args.max_len, num_candidates=2, num_clusters=4, kind="uniform", seed=0)
@@ -155,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps({"ranks": launch.world_size, "device": args.device, "rows": rows}))
         else:
             print(f"FSDP2 step, {launch.world_size} ranks on {args.device}, hidden {args.hidden}, "
-                  f"{args.blocks} blocks, {args.users} users/step, {args.repeats} repeats x {args.steps} steps")
+                  f"{args.blocks} blocks, {args.users} users/step, {args.repeats} repeats x {args.steps} steps, "
+                  f"agreement check {'on' if args.check else 'off'}")
             print(f"{'backend':>10} {'step ms':>9} {'repeats (min..max)':>20} {'x ' + anchor:>9} {'loss diff':>10}")
             for r in rows:
                 print(f"{r['backend']:>10} {r['step_ms']:9.2f} {r['repeat_min_ms']:9.2f}..{r['repeat_max_ms']:<9.2f} "
