@@ -23,7 +23,6 @@ cast after the gather (a plain gather).
 """
 from __future__ import annotations
 
-import math
 
 import torch
 from torch import nn
@@ -86,11 +85,7 @@ class FP8BlockShardedWeight(MXShardedWeight):
         if len(outer_size) == 2 and rows % (shards * BLOCK) == 0 and cols % BLOCK == 0:
             cast = self.fp8_shard()
             return (cast.data.view(torch.uint8), cast.scale), ("fp8",)
-        padded_rows = math.ceil(rows / shards)
-        dtype = getattr(mp_policy, "param_dtype", None) or self.dtype
-        padded = self.master.new_zeros((padded_rows, *self.master.shape[1:]), dtype=dtype)
-        padded[: self.master.shape[0]].copy_(self.master)
-        return (padded,), ("plain",)
+        return self._plain_all_gather_input(rows, shards, mp_policy)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """The unsharded parameter: ``(tensor, tensors FSDP2 frees)``, or None with ``out``."""

@@ -168,9 +168,13 @@ class MXShardedWeight(torch.Tensor):
         if len(outer_size) == 2 and rows % shards == 0:
             cast = self.mx_shard()
             return (cast.data.view(torch.uint8), cast.scale), ("mx",)
-        padded_rows = math.ceil(rows / shards)
+        return self._plain_all_gather_input(rows, shards, mp_policy)
+
+    def _plain_all_gather_input(self, rows: int, shards: int, mp_policy):
+        """The master shard padded to FSDP2's padded shard size (``ceil(rows / shards)`` rows) in
+        the mixed-precision parameter dtype: what a plain gather sends."""
         dtype = getattr(mp_policy, "param_dtype", None) or self.dtype
-        padded = self.master.new_zeros((padded_rows, *self.master.shape[1:]), dtype=dtype)
+        padded = self.master.new_zeros((math.ceil(rows / shards), *self.master.shape[1:]), dtype=dtype)
         padded[: self.master.shape[0]].copy_(self.master)
         return (padded,), ("plain",)
 

@@ -23,7 +23,7 @@ import importlib.util
 import torch
 
 from gemcore.bench.mx import Row
-from gemcore.bench.timing import median_ms
+from gemcore.bench.timing import linear_fwd_bwd, median_ms
 
 SQUARE = 8192
 BLOCK_ROWS = 128  # the weights' blocks are 128x128
@@ -164,11 +164,7 @@ def bench_linear(tokens: int, K: int, N: int) -> list[Row]:
     dy = torch.randn(tokens, N, device="cuda", dtype=torch.bfloat16)
 
     def step(module):
-        def fn():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                y = module(x)
-            y.backward(dy)
-        return fn
+        return linear_fwd_bwd(module, x, dy)
 
     flops = 6.0 * tokens * K * N
     rows = [_row(group, "nn.Linear bf16 autocast (anchor)", step(lin), flops, "TFLOP/s")]

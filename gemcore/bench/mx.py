@@ -18,7 +18,7 @@ from functools import partial
 
 import torch
 
-from gemcore.bench.timing import median_ms
+from gemcore.bench.timing import linear_fwd_bwd, median_ms
 
 CAST_TILES = {
     "flat": [dict(NBLK=128, num_warps=4), dict(NBLK=64, num_warps=2), dict(NBLK=256, num_warps=8),
@@ -196,11 +196,7 @@ def bench_linear(tokens: int, K: int, N: int) -> list[Row]:
     dy = torch.randn(tokens, N, device="cuda", dtype=torch.bfloat16)
 
     def step(module):
-        def fn():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                y = module(x)
-            y.backward(dy)
-        return fn
+        return linear_fwd_bwd(module, x, dy)
 
     flops = 6.0 * tokens * K * N
     base = median_ms(step(lin))

@@ -46,3 +46,13 @@ def median_ms(fn: Callable[[], object], iters: int | None = None, *, warmup: int
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def linear_fwd_bwd(module, x, dy) -> Callable[[], None]:
+    """One forward + backward of ``module`` on ``x`` (tokens, in) under bf16 autocast, with output
+    gradient ``dy`` (tokens, out): the step the linear-layer benchmarks time."""
+    def step() -> None:
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            y = module(x)
+        y.backward(dy)
+    return step
