@@ -20,3 +20,36 @@ def test_padded_baseline_matches_the_jagged_model():
     torch.testing.assert_close(PaddedGemModel(model)(batch), model(batch), rtol=1e-4, atol=1e-5)
     (PaddedGemModel(model).loss(batch)).backward()
     assert model.blocks[0].qkv.weight.grad.abs().sum() > 0
+
+
+def test_fp8_configuration_trains_and_is_compared_with_its_bf16_twin(capsys):
+    """`gem bench train --configs bf16,fp8` on CPU: fp8 runs the fp8_block policy (reference GEMM)
+    and its row carries tokens/s and loss relative to bf16."""
+    import argparse
+    import json
+
+    from gemcore.bench import train
+
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    args = parser.parse_args(["--device", "cpu", "--configs", "bf16,fp8", "--fp8-matmul", "reference",
+                              "--users", "4", "--steps", "2", "--warmup", "1", "--hidden", "128",
+                              "--heads", "2", "--blocks", "1", "--items", "300", "--candidates", "2",
+                              "--max-len", "16", "--no-local-mfu", "--json"])
+    assert train.run(args) == 0
+    rows = {r["config"]: r for r in json.loads(capsys.readouterr().out)["results"]}
+    assert rows["fp8"]["error"] == "" and rows["bf16"]["error"] == ""
+    assert rows["bf16"]["speedup_vs_bf16"] == 1.0
+    assert rows["fp8"]["speedup_vs_bf16"] > 0
+    assert abs(rows["fp8"]["loss_vs_bf16"]) < 0.05
+
+
+def test_fp8_configuration_is_built_with_the_fp8_block_policy():
+    from gemcore.bench import train
+    from gemcore.plugin_manager import create_plugin_manager
+
+    cfg = ModelConfig(hidden=128, num_heads=2, num_blocks=1, num_items=40)
+    _, gem, policy, desc = train.build("fp8", cfg, create_plugin_manager(), torch.device("cpu"), 0, "reference")
+    assert "fp8_block" in desc
+    assert type(gem.blocks[0].qkv).__name__ == "FP8BlockLinear"
+    assert train._bf16_twin("fp8+compile") == "bf16+compile" and train._bf16_twin("fp8") == "bf16"

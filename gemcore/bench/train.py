@@ -30,8 +30,10 @@ from gemcore.model import GemModel
 from gemcore.plugin_manager import create_plugin_manager
 
 WORKLOADS = {name: WORKLOAD_MAX_LEN[name] for name in ("heavytail", "dense95")}  #: workload -> longest history
-CONFIGS = ("padded", "bf16", "mxfp8", "bf16+compile", "mxfp8+compile",
+CONFIGS = ("padded", "bf16", "mxfp8", "fp8", "bf16+compile", "mxfp8+compile", "fp8+compile",
            "varlen", "varlen+compile", "flex", "flex+compile")
+#: precision policy of each configuration's name before "+" (bf16 for the rest)
+PRECISIONS = {"mxfp8": "mxfp8", "fp8": "fp8_block"}
 #: configurations whose attention is a torch-native peer (attention impl = the name before "+")
 PEERS = ("varlen", "flex")
 
@@ -49,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--items", type=int, default=200_000, help="item-id vocabulary")
     p.add_argument("--candidates", type=int, default=16, help="candidates per user")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
+    p.add_argument("--fp8-matmul", default="auto", choices=["auto", "reference", "cublas", "scaled_mm", "triton"],
+                   help="the fp8 configurations' GEMM backend (precision.fp8_matmul)")
     p.add_argument("--no-local-mfu", action="store_true")
     p.add_argument("--json", action="store_true")
 
@@ -80,8 +84,10 @@ def _batches(data, users: int, steps: int, order: str, seed: int, manager):
     return [next(it) for _ in range(steps)], name
 
 
-def build(config: str, model_cfg: ModelConfig, manager, device, seed: int):
-    """(model-like object with .loss(batch) and .parameters(), the GemModel inside, description)."""
+def build(config: str, model_cfg: ModelConfig, manager, device, seed: int, fp8_matmul: str = "auto"):
+    """(model-like object with .loss(batch) and .parameters(), the GemModel inside, description).
+
+    ``fp8_matmul`` is the ``fp8`` configurations' GEMM backend (``precision.fp8_matmul``)."""
     torch.manual_seed(seed)
     peer = config.split("+")[0]
     if peer in PEERS:
@@ -91,8 +97,11 @@ def build(config: str, model_cfg: ModelConfig, manager, device, seed: int):
     attention = manager.resolve("attention", attention_name).factory(
         AttentionConfig(impl=attention_name, activation="softmax"))
     model = GemModel(model_cfg, attention)
-    precision_name = "mxfp8" if config.startswith("mxfp8") else "bf16"
-    policy = manager.resolve("precision", precision_name).factory(PrecisionConfig(impl=precision_name))
+    precision_name = PRECISIONS.get(peer, "bf16")
+    precision_cfg = PrecisionConfig(impl=precision_name)
+    if precision_name == "fp8_block":
+        precision_cfg.fp8_matmul = fp8_matmul
+    policy = manager.resolve("precision", precision_name).factory(precision_cfg)
     if config == "padded":
         from gemcore.bench.padded import PaddedGemModel
 
@@ -106,8 +115,9 @@ def build(config: str, model_cfg: ModelConfig, manager, device, seed: int):
     return model, model, policy, f"jagged {attention_name} + {precision_name}"
 
 
-def train_config(config, model_cfg, data, heldout, steps_idx, warmup, device, manager, seed) -> Result:
-    runner, gem, policy, _ = build(config, model_cfg, manager, device, seed)
+def train_config(config, model_cfg, data, heldout, steps_idx, warmup, device, manager, seed,
+                 fp8_matmul: str = "auto") -> Result:
+    runner, gem, policy, _ = build(config, model_cfg, manager, device, seed, fp8_matmul)
     opt = torch.optim.AdamW(runner.parameters(), lr=1e-3, fused=device.type == "cuda")
     batches = [data.__getitems__(idx).to(device) for idx in steps_idx]
     peak = peak_flops(device)
@@ -202,6 +212,11 @@ def local_mfu(gem: GemModel, policy, batch, device, reps: int = 5) -> list[dict]
     return rows
 
 
+def _bf16_twin(config: str) -> str:
+    """The bf16 configuration a precision configuration is compared with: ``fp8+compile`` -> ``bf16+compile``."""
+    return "bf16+compile" if config.endswith("+compile") else "bf16"
+
+
 def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -228,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
         steps_idx, order_used[config] = _batches(data, args.users, total_steps, order, 0, manager)
         try:
             results.append(train_config(config, model_cfg, data, heldout, steps_idx, args.warmup, device,
-                                        manager, seed=0))
+                                        manager, seed=0, fp8_matmul=args.fp8_matmul))
         except Exception as exc:  # noqa: BLE001 - one failing configuration is reported, not fatal
             results.append(Result(config, error=f"{type(exc).__name__}: {str(exc)[:200]}"))
             if device.type == "cuda":
@@ -248,11 +263,15 @@ def run(args: argparse.Namespace) -> int:
               "users_per_step": args.users, "max_len": max_len, "steps": args.steps,
               "sampler": order_used, "results": [r.__dict__ for r in results], "local_mfu": local}
     base = next((r for r in results if r.config == "padded" and not r.error), None)
+    by_config = {r.config: r for r in results if not r.error}
     peers = [r.tokens_per_s for r in results if not r.error and r.config.split("+")[0] in PEERS + ("padded",)]
     for r in report["results"]:
         r["speedup_vs_best_peer"] = (r["tokens_per_s"] / max(peers)) if peers and not r["error"] else None
         r["speedup_vs_padded"] = (r["tokens_per_s"] / base.tokens_per_s) if base and not r["error"] else None
         r["loss_vs_padded"] = ((r["heldout_loss"] / base.heldout_loss - 1) if base and not r["error"] else None)
+        bf16 = by_config.get(_bf16_twin(r["config"]))
+        r["speedup_vs_bf16"] = (r["tokens_per_s"] / bf16.tokens_per_s) if bf16 and not r["error"] else None
+        r["loss_vs_bf16"] = (r["heldout_loss"] / bf16.heldout_loss - 1) if bf16 and not r["error"] else None
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -260,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
           f"{args.users} users/step, {args.steps} timed steps; model: {args.blocks} blocks, hidden "
           f"{args.hidden}, {args.heads} heads x {args.hidden // args.heads}, {dense / 1e6:.0f}M dense params")
     print(f"{'config':15s} {'tok/s':>11s} {'samples/s':>10s} {'MFU':>7s} {'step ms':>8s} {'mem GB':>7s} "
-          f"{'loss':>8s} {'dloss':>7s} {'x pad':>6s} {'x peer':>6s} {'syncs':>6s}")
+          f"{'loss':>8s} {'dloss':>7s} {'x pad':>6s} {'x peer':>6s} {'x bf16':>6s} {'syncs':>6s}")
     for r in report["results"]:
         if r["error"]:
             print(f"{r['config']:15s} FAILED {r['error']}")
@@ -270,8 +289,10 @@ def run(args: argparse.Namespace) -> int:
         sp = f"{r['speedup_vs_padded']:.2f}" if r["speedup_vs_padded"] else "-"
         bp = f"{r['speedup_vs_best_peer']:.2f}" if r["speedup_vs_best_peer"] else "-"
         sy = f"{r['syncs_per_step']:.1f}" if r["syncs_per_step"] is not None else "-"
+        xb = f"{r['speedup_vs_bf16']:.2f}" if r["speedup_vs_bf16"] else "-"
         print(f"{r['config']:15s} {r['tokens_per_s']:11,.0f} {r['samples_per_s']:10,.1f} {mfu:>7s} "
-              f"{r['step_ms']:8.1f} {r['peak_mem_gb']:7.1f} {r['heldout_loss']:8.4f} {dl:>7s} {sp:>6s} {bp:>6s} {sy:>6s}")
+              f"{r['step_ms']:8.1f} {r['peak_mem_gb']:7.1f} {r['heldout_loss']:8.4f} {dl:>7s} {sp:>6s} {bp:>6s} "
+              f"{xb:>6s} {sy:>6s}")
     if local:
         print("local MFU (bf16, one block's layer alone, fwd+bwd):")
         for row in local:
