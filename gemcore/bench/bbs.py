@@ -12,9 +12,9 @@ count per sample by default) gives max/mean, averaged over the steps:
 
 ``plan_ms`` is the wall time one rank spends planning a step (the global assignment plus its own
 sub-batches), single-threaded NumPy on the host: the median over steps of the fastest of 3 runs; ``epoch_setup_ms`` is the once-per-epoch
-permutation (reported apart: divide by ``steps_per_epoch`` for its share of a step). The anchor (Meta's engineering blog on
-GEM's training stack, 2026-08-03): GEM's heaviest rank sat ~15% above the mean before BBS; the goal is bbs <= 1.02 at 64 ranks on
-heavytail with 1024 samples per rank, planning in < 5 ms per step.
+permutation (reported apart: divide by ``steps_per_epoch`` for its share of a step). The anchor is
+the ``random`` column of the same run; the goal is bbs <= 1.02 at 64 ranks on heavytail with 1024
+samples per rank, planning in < 5 ms per step.
 """
 from __future__ import annotations
 
