@@ -27,7 +27,6 @@ An explicitly requested backend that cannot run raises; nothing falls back to an
 """
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -114,9 +113,15 @@ def _require_fp8_gpu(device: torch.device, what: str) -> None:
                          f"{torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}")
 
 
-@functools.lru_cache(maxsize=None)
+#: compute capability by CUDA device index (a plain dict: torch.compile traces a lookup in it)
+_CAPABILITIES: dict[int, tuple[int, int]] = {}
+
+
 def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITIES:
+        _CAPABILITIES[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITIES[index]
 
 
 def _padded(x: torch.Tensor, r_pad: int, c_pad: int) -> torch.Tensor:
@@ -284,12 +289,63 @@ def fp8_block_mm(a: BlockFP8, b: BlockFP8, out_dtype: torch.dtype = torch.bfloat
     return _cublas_mm(a, b, out_dtype)
 
 
+def _padded_block_scales(scale: torch.Tensor) -> torch.Tensor:
+    """128x128 scales (N/128, K/128) -> (L4, N/128) column-major, K/128 zero-padded to L4, a
+    multiple of 4: the 16-byte aligned leading dimension cuBLAS's 128x128 block scaling reads."""
+    nb, kb = scale.shape
+    l4 = -(-kb // 4) * 4
+    if l4 == kb and scale.stride() == (kb, 1):
+        return scale.t()
+    padded = torch.zeros((nb, l4), dtype=torch.float32, device=scale.device)
+    padded[:, :kb] = scale
+    return padded.t()
+
+
+#: CUDA device index -> whether this torch's ``_scaled_mm`` takes 128x128 scales with a padded
+#: leading dimension (newer torch); older releases check for exactly K/128, which cuBLAS misreads
+#: unless K/128 is a multiple of 4
+_PADDED_128_SCALES: dict[int, bool] = {}
+
+
+def _cublas_takes_padded_scales(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` takes padded 128x128 scales on ``device`` (asked once)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _PADDED_128_SCALES:
+        _probe_padded_scales(device, index)
+    return _PADDED_128_SCALES[index]
+
+
+@torch.compiler.disable  # a real call: its argument check runs on the host, before any launch
+def _probe_padded_scales(device: torch.device, index: int) -> None:
+    if index not in _PADDED_128_SCALES:
+        a = torch.zeros((128, 256), device=device).to(torch.float8_e4m3fn)
+        b = torch.zeros((256, 256), device=device).to(torch.float8_e4m3fn)
+        scale_a = torch.ones((2, 128), device=device).t()  # (128, 2) column-major
+        scale_b = torch.ones((2, 4), device=device).t()[:2]  # (2, 2), stride (1, 4)
+        try:
+            torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
+            _PADDED_128_SCALES[index] = True
+        except RuntimeError:
+            _PADDED_128_SCALES[index] = False
+
+
 def _cublas_mm(a: BlockFP8, b: BlockFP8, out_dtype: torch.dtype) -> torch.Tensor:
     """torch._scaled_mm with a's 1x128 scales (M, K/128) column-major and b^T's scales:
-    (K/128, N/128) column-major for 128x128 blocks, (K/128, N) row-major for 1x128 blocks."""
-    scale_b = b.scale.t()
-    if b.block_rows == BLOCK and scale_b.stride(0) != 1:
-        scale_b = _col_major(scale_b)
+    (K/128, N/128) column-major for 128x128 blocks (leading dimension padded to a multiple of 4
+    where this torch takes it), (K/128, N) row-major for 1x128 blocks."""
+    if b.block_rows != BLOCK:
+        scale_b = b.scale.t()
+    elif _cublas_takes_padded_scales(b.scale.device):
+        scale_b = _padded_block_scales(b.scale)[: b.scale.shape[1]]  # stride (1, L4)
+    elif b.scale.shape[1] % 4 == 0:
+        scale_b = b.scale.t()
+        if scale_b.stride(0) != 1:
+            scale_b = _col_major(scale_b)
+    else:
+        raise ValueError(
+            f"matmul='cublas': torch {torch.__version__}'s _scaled_mm takes 128x128 scales only when the "
+            f"contracted dimension is a multiple of {4 * BLOCK} (cuBLAS needs a 16-byte aligned scale "
+            f"layout), got K = {b.data.shape[1]}; use matmul='scaled_mm' or 'triton' for this shape")
     return torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale, scale_b=scale_b, out_dtype=out_dtype)
 
 
@@ -299,11 +355,7 @@ def _functional_mm(a: BlockFP8, b: BlockFP8, out_dtype: torch.dtype) -> torch.Te
     (N, K/128) column-major."""
     F = torch.nn.functional
     if b.block_rows == BLOCK:
-        kb, nb = b.scale.shape[1], b.scale.shape[0]
-        l4 = -(-kb // 4) * 4
-        padded = torch.zeros((nb, l4), dtype=torch.float32, device=b.scale.device)
-        padded[:, :kb] = b.scale
-        scale_b, recipe_b = padded.t(), F.ScalingType.BlockWise128x128
+        scale_b, recipe_b = _padded_block_scales(b.scale), F.ScalingType.BlockWise128x128
     else:
         scale_b, recipe_b = b.scale, F.ScalingType.BlockWise1x128
     return F.scaled_mm(a.data, b.data.t(), a.scale, F.ScalingType.BlockWise1x128, scale_b, recipe_b,

@@ -1,6 +1,8 @@
-"""The padded baseline of `gem bench train` computes the same function as the jagged model."""
+"""`gem bench train`: the padded baseline computes the same function as the jagged model, the FP8
+configuration, and the host-synchronisation count."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gemcore.bench.padded import PaddedGemModel
@@ -53,3 +55,14 @@ def test_fp8_configuration_is_built_with_the_fp8_block_policy():
     assert "fp8_block" in desc
     assert type(gem.blocks[0].qkv).__name__ == "FP8BlockLinear"
     assert train._bf16_twin("fp8+compile") == "bf16+compile" and train._bf16_twin("fp8") == "bf16"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="counts CUDA host synchronisations")
+def test_sync_count_sees_a_blocking_read_and_not_the_profiler():
+    from gemcore.bench.train import count_syncs
+
+    x = torch.ones(1024, device="cuda")
+    batches = [0, 1, 2]
+    assert count_syncs(lambda b: x.mul_(1.0), batches, x.device) == 0
+    assert count_syncs(lambda b: x.sum().item(), batches, x.device) >= 1

@@ -156,19 +156,27 @@ def train_config(config, model_cfg, data, heldout, steps_idx, warmup, device, ma
     return result
 
 
-def count_syncs(step, batches, device) -> float | None:
-    """Host synchronisations per step (cudaStreamSynchronize, cudaDeviceSynchronize, blocking D2H)."""
-    if device.type != "cuda" or not batches:
-        return None
+def _sync_calls(run) -> int:
+    """cudaStreamSynchronize / cudaDeviceSynchronize / cudaEventSynchronize calls seen by
+    torch.profiler while ``run()`` and one final ``torch.cuda.synchronize()`` execute."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for b in batches:
-            step(b)
+        run()
         torch.cuda.synchronize()
     names = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
-    count = sum(e.count for e in prof.key_averages() if e.key in names)
-    return max(0, count - 1) / len(batches)  # minus our own final synchronize
+    return sum(e.count for e in prof.key_averages() if e.key in names)
+
+
+def count_syncs(step, batches, device) -> float | None:
+    """Host synchronisations per step (cudaStreamSynchronize, cudaDeviceSynchronize, blocking D2H):
+    those of a profiled run of ``batches`` minus those of a profiled empty run (the final
+    synchronize and whatever the profiler itself issues)."""
+    if device.type != "cuda" or not batches:
+        return None
+    baseline = _sync_calls(lambda: None)
+    count = _sync_calls(lambda: [step(b) for b in batches])
+    return max(0, count - baseline) / len(batches)
 
 
 def local_mfu(gem: GemModel, policy, batch, device, reps: int = 5) -> list[dict]:
