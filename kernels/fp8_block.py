@@ -308,7 +308,10 @@ _PADDED_128_SCALES: dict[int, bool] = {}
 
 
 def _cublas_takes_padded_scales(device: torch.device) -> bool:
-    """Whether ``torch._scaled_mm`` takes padded 128x128 scales on ``device`` (asked once)."""
+    """Whether ``torch._scaled_mm`` takes padded 128x128 scales on ``device`` (asked once; meta
+    tensors get the padded layout, the one current torch checks for)."""
+    if device.type != "cuda":
+        return True
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _PADDED_128_SCALES:
         _probe_padded_scales(device, index)
@@ -329,6 +332,14 @@ def _probe_padded_scales(device: torch.device, index: int) -> None:
             _PADDED_128_SCALES[index] = False
 
 
+def cublas_takes_block_scales(k_blocks: int, n_blocks: int, device: torch.device) -> bool:
+    """Whether ``matmul="cublas"`` runs a GEMM whose 128x128 operand has ``n_blocks`` x
+    ``k_blocks`` blocks (K contracted) on ``device``: always where torch takes padded scales;
+    on older torch only with an aligned leading dimension (K/128 a multiple of 4) or a single
+    column of blocks."""
+    return _cublas_takes_padded_scales(torch.device(device)) or k_blocks % 4 == 0 or n_blocks == 1
+
+
 def _cublas_mm(a: BlockFP8, b: BlockFP8, out_dtype: torch.dtype) -> torch.Tensor:
     """torch._scaled_mm with a's 1x128 scales (M, K/128) column-major and b^T's scales:
     (K/128, N/128) column-major for 128x128 blocks (leading dimension padded to a multiple of 4
@@ -337,7 +348,7 @@ def _cublas_mm(a: BlockFP8, b: BlockFP8, out_dtype: torch.dtype) -> torch.Tensor
         scale_b = b.scale.t()
     elif _cublas_takes_padded_scales(b.scale.device):
         scale_b = _padded_block_scales(b.scale)[: b.scale.shape[1]]  # stride (1, L4)
-    elif b.scale.shape[1] % 4 == 0:
+    elif cublas_takes_block_scales(*b.scale.shape[::-1], b.scale.device):
         scale_b = b.scale.t()
         if scale_b.stride(0) != 1:
             scale_b = _col_major(scale_b)
@@ -532,4 +543,4 @@ def convert_to_fp8_block(module: nn.Module, filter_fn: Optional[Callable[[nn.Mod
 
 __all__ = ["BlockFP8", "FP8BlockConfig", "FP8BlockLinear", "quantize_rows", "quantize_act",
            "quantize_weight", "fp8_block_mm", "convert_to_fp8_block", "matmul_backend_status", "functional_block_scaling",
-           "resolve_matmul_backend", "cublas_block_scaling", "generation_routes", "generation_of", "MATMUL_BACKENDS", "CAST_BACKENDS", "BLOCK"]
+           "resolve_matmul_backend", "cublas_block_scaling", "cublas_takes_block_scales", "generation_routes", "generation_of", "MATMUL_BACKENDS", "CAST_BACKENDS", "BLOCK"]
