@@ -10,10 +10,7 @@ and open each other's. Every collective on CUDA tensors runs as one or two *exch
 2. one stream per peer waits for the peer's *ready* and *pulls* the peer's chunk out of the
    peer's window with ``cudaMemcpyAsync`` straight into the destination (the result tensor, or a
    staging buffer that one reduction kernel on the caller's stream reads); the rank's own chunk
-   is copied on the caller's stream, which then joins the peers' streams and signals *done*.
-   An exchange whose pulls move fewer than ``stream_bytes`` bytes (default 1 MiB) issues them on
-   the caller's stream instead: for small messages the stream switches cost more than the
-   overlap gains;
+   is copied on the caller's stream, which then joins the peers' streams and signals *done*;
 3. before a slot is written again, the caller's stream waits for every rank's *done* of the call
    that last used it (this rank's own too: successive calls may run on different streams, as
    FSDP2's all-gathers and reduce-scatters do).
@@ -165,17 +162,10 @@ class CopyEngineCommunicator(Communicator):
 
     def __init__(self, *, timeout_s: float | None = DEFAULT_TIMEOUT_S, check: bool = True,
                  delegate: str | Communicator | None = None, window_bytes: int | str = 64 << 20,
-                 sync: str = "flags", stream_bytes: int | str = 1 << 20) -> None:
+                 sync: str = "flags") -> None:
         super().__init__(timeout_s=timeout_s, check=check)
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be one of {', '.join(map(repr, SYNC_MODES))}, got {sync!r}")
-        try:
-            #: exchanges pulling fewer bytes than this stay on the caller's stream
-            self._stream_bytes = int(stream_bytes)
-        except (TypeError, ValueError):
-            self._stream_bytes = -1
-        if self._stream_bytes < 0:
-            raise ValueError(f"stream_bytes must be an integer >= 0, got {stream_bytes!r}")
         #: "flags": GPU counters, no host barrier; "event": IPC events, one; "barrier": two
         self.sync = sync
         self._slots = 1 if sync == "barrier" else 2
@@ -388,9 +378,8 @@ class CopyEngineCommunicator(Communicator):
         self._in_use(t)
         active = [pull for pull in pulls if pull[3]]
         remote = [pull for pull in active if pull[0] != self.rank]
-        streams = sum(p[3] for p in remote) >= self._stream_bytes  # else every pull on cur
-        for peer in dict.fromkeys(p for p, *_ in remote) if streams else ():  # the destinations were
-            self._follow(self._streams[peer], cur)  # allocated on cur; following before the staging copy lets the pulls overlap it
+        for peer in dict.fromkeys(p for p, *_ in remote):  # the destinations were allocated on cur;
+            self._follow(self._streams[peer], cur)  # following before the staging copy lets the pulls overlap it
         if src_ranks_stage and t.numel() and t.data_ptr() != mine:
             self._copy(mine, t.data_ptr(), t.numel() * t.element_size(), cur)
             self._counts["staged_bytes"] += t.numel() * t.element_size()
@@ -400,7 +389,7 @@ class CopyEngineCommunicator(Communicator):
             self._record(ready, cur)
             self._host_barrier()
         for peer, offset, dst, nbytes in remote:  # issued first, so they do not wait for the own copy
-            stream = self._streams[peer] if streams else cur
+            stream = self._streams[peer]
             if flags:
                 self._wait_flag(stream, peer, ready, k + 1)
             else:
@@ -408,7 +397,7 @@ class CopyEngineCommunicator(Communicator):
             self._copy(dst, self._slot_ptr(self._peer_windows[peer], slot) + offset, nbytes, stream)
         for _, offset, dst, nbytes in [pull for pull in active if pull[0] == self.rank]:
             self._copy(dst, mine + offset, nbytes, cur)  # this rank's own chunk, on the caller's stream
-        for peer in dict.fromkeys(p for p, *_ in remote) if streams else ():
+        for peer in dict.fromkeys(p for p, *_ in remote):
             self._follow(cur, self._streams[peer])
         if flags:
             self._write_flag(cur, done, k + 1)
@@ -428,8 +417,7 @@ class CopyEngineCommunicator(Communicator):
     def _make_intra(self, sub: Communicator) -> Communicator:
         """The copy-engine communicator of this node's ranks (``sub``: the delegate's)."""
         return CopyEngineCommunicator(timeout_s=self.timeout_s, check=False, delegate=sub,
-                                      window_bytes=_MIN_WINDOW, sync=self.sync,
-                                      stream_bytes=self._stream_bytes)
+                                      window_bytes=_MIN_WINDOW, sync=self.sync)
 
     def _hierarchy(self) -> Hierarchy:
         """The intra-node ce and inter-node delegate communicators (collective on first call:
@@ -618,8 +606,7 @@ class CopyEngineCommunicator(Communicator):
     def _split_impl(self, groups: list[list[int]], index: int) -> Communicator:
         sub = self.delegate._split_impl(groups, index)
         return CopyEngineCommunicator(timeout_s=self.timeout_s, check=self.check, delegate=sub,
-                                      window_bytes=_MIN_WINDOW, sync=self.sync,
-                                      stream_bytes=self._stream_bytes)
+                                      window_bytes=_MIN_WINDOW, sync=self.sync)
 
     # Point to point goes through the delegate; a gloo delegate moves host memory only, so CUDA
     # tensors are staged through pinned host buffers (pipeline stages' activations: small).
@@ -646,8 +633,7 @@ class CopyEngineCommunicator(Communicator):
     def _subgroup_impl(self, members: list[int], store) -> Communicator:
         sub = self.delegate._subgroup_impl(members, store)
         return CopyEngineCommunicator(timeout_s=self.timeout_s, check=self.check, delegate=sub,
-                                      window_bytes=_MIN_WINDOW, sync=self.sync,
-                                      stream_bytes=self._stream_bytes)
+                                      window_bytes=_MIN_WINDOW, sync=self.sync)
 
     def _finalize_impl(self) -> None:
         if self._hier is not None:

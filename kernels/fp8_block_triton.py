@@ -86,7 +86,7 @@ def _fp8_block_cast(x_ptr, rdata_ptr, rscale_ptr, cdata_ptr, cscale_ptr, R, C, R
             # (triton 3.6), while each copy alone is right; compare triton-lang/triton#11111.
             byte_c = _block_byte(tl.maximum(tl.max(bits, axis=0), block_amax))  # (128,)
             q_t = _e4m3(x, _inv_scale(byte_c)[None, :], (byte_c == 255)[None, :], SOFT_ROUND)
-            tl.store(cdata_ptr + c[:, None] * R_PAD + r[None, :], tl.trans(q_t))
+            tl.store(cdata_ptr + c[None, :] * R_PAD + r[:, None], q_t)
         tl.store(rscale_ptr + pid_r * stride_rsr + pid_c * stride_rsc, _scale_value(byte))
     else:
         if ROWS:
@@ -97,9 +97,7 @@ def _fp8_block_cast(x_ptr, rdata_ptr, rscale_ptr, cdata_ptr, cscale_ptr, R, C, R
         if COLS:  # BLOCK_R == 128: each column of the tile is one block
             byte = _block_byte(tl.max(bits, axis=0))  # (128,)
             q = _e4m3(x, _inv_scale(byte)[None, :], (byte == 255)[None, :], SOFT_ROUND)
-            # transposed in registers (through shared memory), so that the store runs along r,
-            # the contiguous dimension of cdata
-            tl.store(cdata_ptr + c[:, None] * R_PAD + r[None, :], tl.trans(q))
+            tl.store(cdata_ptr + c[None, :] * R_PAD + r[:, None], q)
             tl.store(cscale_ptr + c * stride_csr + pid_r * stride_csc, _scale_value(byte))
 
 

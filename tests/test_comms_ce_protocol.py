@@ -225,8 +225,6 @@ class SimCE(CopyEngineCommunicator):
         self._window = self.window_base(rank)
         self._peer_windows = [self.window_base(r) for r in range(sim.world)]
         self._streams = [Stream(f"r{rank}.pull{p}") for p in range(sim.world)]
-        #: odd ranks pull on their caller's stream, even ranks on per-peer streams: both paths checked
-        self._stream_bytes = 1 << 62 if rank % 2 else 0
         #: the caller's streams; each call runs on the one the plan names (FSDP2 alternates streams)
         self._curs = [Stream(f"r{rank}.cur"), Stream(f"r{rank}.cur2")]
         self._cur = self._curs[0]

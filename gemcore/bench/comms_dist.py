@@ -211,7 +211,7 @@ def sm_free_profile(comm, ops: list[str], count: int, dtype: torch.dtype, device
     if fsdp:
         run = fsdp_steps(device)
         before = comm.stats()["reduce_kernels"]
-        found = profile(run, device)
+        found = attribute(profile(run, device))
         lines += verdict(found, comm.stats()["reduce_kernels"] - before, "FSDP2 steps")
         return lines
     for op in ops:
@@ -223,7 +223,7 @@ def sm_free_profile(comm, ops: list[str], count: int, dtype: torch.dtype, device
             for _ in range(iters):
                 call()
 
-        found = profile(run, device)
+        found = attribute(profile(run, device))
         reduce_kernels = comm.stats()["reduce_kernels"] - before
         lines += verdict(found, reduce_kernels, f"{op} x{iters}", only_ce=op in ("all_gather", "reduce_scatter"))
     return lines
