@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -279,11 +280,11 @@ def test_trainer_tells_the_mx_policy_that_fsdp_shards_over_two_ranks(tmp_path):
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-6000:]
-    for rank in range(2):
-        line = next((ln for ln in done.stdout.splitlines() if ln.startswith(f"[rank {rank}]")), None)
-        assert line is not None, out[-6000:]
-        fsdp_size, gathered = (int(part.split("=")[1]) for part in line.split()[2:])
-        assert fsdp_size == 2 and gathered > 0, line
+    for rank in range(2):  # (the two ranks' lines may interleave on one line of stdout)
+        found = re.search(rf"\[rank {rank}\] fsdp_size=(\d+) mx_gathered=(\d+)", done.stdout)
+        assert found is not None, out[-6000:]
+        fsdp_size, gathered = int(found[1]), int(found[2])
+        assert fsdp_size == 2 and gathered > 0, found[0]
 
 
 class _CountAllGather:
