@@ -117,8 +117,12 @@ def _require_fp8_gpu(device: torch.device, what: str) -> None:
 _CAPABILITIES: dict[int, tuple[int, int]] = {}
 
 
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _capability(device: torch.device) -> tuple[int, int]:
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _device_index(device)
     if index not in _CAPABILITIES:
         _CAPABILITIES[index] = torch.cuda.get_device_capability(index)
     return _CAPABILITIES[index]
@@ -312,7 +316,7 @@ def _cublas_takes_padded_scales(device: torch.device) -> bool:
     tensors get the padded layout, the one current torch checks for)."""
     if device.type != "cuda":
         return True
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _device_index(device)
     if index not in _PADDED_128_SCALES:
         _probe_padded_scales(device, index)
     return _PADDED_128_SCALES[index]
@@ -344,19 +348,18 @@ def _cublas_mm(a: BlockFP8, b: BlockFP8, out_dtype: torch.dtype) -> torch.Tensor
     """torch._scaled_mm with a's 1x128 scales (M, K/128) column-major and b^T's scales:
     (K/128, N/128) column-major for 128x128 blocks (leading dimension padded to a multiple of 4
     where this torch takes it), (K/128, N) row-major for 1x128 blocks."""
-    if b.block_rows != BLOCK:
-        scale_b = b.scale.t()
-    elif _cublas_takes_padded_scales(b.scale.device):
-        scale_b = _padded_block_scales(b.scale)[: b.scale.shape[1]]  # stride (1, L4)
-    elif cublas_takes_block_scales(*b.scale.shape[::-1], b.scale.device):
-        scale_b = b.scale.t()
-        if scale_b.stride(0) != 1:
+    scale_b = b.scale.t()
+    if b.block_rows == BLOCK:
+        nb, kb = b.scale.shape
+        if not cublas_takes_block_scales(kb, nb, b.scale.device):
+            raise ValueError(
+                f"matmul='cublas': torch {torch.__version__}'s _scaled_mm takes 128x128 scales only when "
+                f"the contracted dimension is a multiple of {4 * BLOCK} (cuBLAS needs a 16-byte aligned "
+                f"scale layout), got K = {b.data.shape[1]}; use matmul='scaled_mm' or 'triton' for this shape")
+        if _cublas_takes_padded_scales(b.scale.device):
+            scale_b = _padded_block_scales(b.scale)[:kb]  # stride (1, L4)
+        elif scale_b.stride(0) != 1:
             scale_b = _col_major(scale_b)
-    else:
-        raise ValueError(
-            f"matmul='cublas': torch {torch.__version__}'s _scaled_mm takes 128x128 scales only when the "
-            f"contracted dimension is a multiple of {4 * BLOCK} (cuBLAS needs a 16-byte aligned scale "
-            f"layout), got K = {b.data.shape[1]}; use matmul='scaled_mm' or 'triton' for this shape")
     return torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale, scale_b=scale_b, out_dtype=out_dtype)
 
 

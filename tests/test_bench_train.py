@@ -58,7 +58,7 @@ def test_fp8_configuration_is_built_with_the_fp8_block_policy():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="counts CUDA host synchronisations")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (counts CUDA host synchronisations)")
 def test_sync_count_sees_a_blocking_read_and_not_the_profiler():
     from gemcore.bench.train import count_syncs
 
