@@ -17,9 +17,13 @@ and open each other's. Every collective on CUDA tensors runs as one or two *exch
 
 all_gather, all_to_all(-v) and broadcast are one exchange; reduce_scatter is one exchange into a
 staging buffer of ``world_size`` chunks and one reduction (``sum``/``avg``/``max``/``min``; 16-bit
-floats accumulate in float32 and round once, as NCCL does); all_reduce is a reduce_scatter of
-chunks of ``ceil(n / world_size)`` elements and an all_gather of them. The reduction is the only
-SM work; :meth:`stats` counts its kernels and bytes.
+floats accumulate in float32 and round once, as NCCL does). all_reduce of at most
+``one_shot_bytes`` (default 256 KiB) is one exchange: every rank pulls every rank's whole input
+and reduces all of them in rank order, so the ranks' results are bitwise equal (one exchange's
+latency instead of two; NCCL's LL protocols and one-shot custom all-reduces make the same
+trade). A larger all_reduce is a reduce_scatter of chunks of ``ceil(n / world_size)`` elements
+and an all_gather of them (each rank moves 2n bytes instead of world_size * n). The reduction is
+the only SM work; :meth:`stats` counts its kernels and bytes.
 
 How *ready* and *done* are signalled (``sync``):
 
@@ -66,6 +70,7 @@ delegate staged in host memory. send/recv go through the delegate staged in host
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import torch
@@ -76,8 +81,11 @@ from gemcore.comms.launch import detect
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault (unified addressing decides the direction)
 _EVENT_FLAGS = 0x2 | 0x4  # cudaEventDisableTiming | cudaEventInterprocess
+_EVENT_LOCAL = 0x2  # cudaEventDisableTiming
 _IPC_LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
 _MIN_WINDOW = 1 << 20
+#: all_reduce up to this many bytes: one exchange of whole inputs (see the module docstring)
+ONE_SHOT_BYTES = 256 << 10
 _FLAG_PAGE = 4096
 #: byte offsets of this rank's counters in its flag page (one per slot, a cache line apart); the probe word
 _FLAG_OFFSET = {"ready0": 0, "ready1": 128, "done0": 256, "done1": 384, "probe": 512}
@@ -162,10 +170,18 @@ class CopyEngineCommunicator(Communicator):
 
     def __init__(self, *, timeout_s: float | None = DEFAULT_TIMEOUT_S, check: bool = True,
                  delegate: str | Communicator | None = None, window_bytes: int | str = 64 << 20,
-                 sync: str = "flags") -> None:
+                 sync: str = "flags", one_shot_bytes: int | str = ONE_SHOT_BYTES) -> None:
         super().__init__(timeout_s=timeout_s, check=check)
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be one of {', '.join(map(repr, SYNC_MODES))}, got {sync!r}")
+        try:
+            one_shot_bytes = int(one_shot_bytes)
+        except ValueError:
+            one_shot_bytes = -1
+        if one_shot_bytes < 0:
+            raise ValueError(f"one_shot_bytes must be a byte count >= 0, got {one_shot_bytes!r}")
+        #: all_reduce of at most this many bytes: one exchange of whole inputs
+        self.one_shot_bytes = one_shot_bytes
         #: "flags": GPU counters, no host barrier; "event": IPC events, one; "barrier": two
         self.sync = sync
         self._slots = 1 if sync == "barrier" else 2
@@ -194,6 +210,8 @@ class CopyEngineCommunicator(Communicator):
         self._window = 0
         self._peer_windows: list[int] = []
         self._events: dict[str, int] = {}
+        self._local = threading.local()  # this thread's event for _follow
+        self._thread_events: list[int] = []
         self._peer_events: dict[str, list[int]] = {}
         self._flags = 0
         self._peer_flags: list[int] = []
@@ -291,6 +309,10 @@ class CopyEngineCommunicator(Communicator):
         self._before_write(self._calls, slot, self._current())  # wait for the peers' reads of this slot
         return self._window_tensor(self._slot_ptr(self._window, slot), nbytes, shape, dtype)
 
+    def _in_window(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s memory starts inside this rank's window."""
+        return self._window <= t.data_ptr() < self._window + self._slots * self._capacity
+
     def _window_tensor(self, ptr: int, nbytes: int, shape, dtype: torch.dtype) -> torch.Tensor:
         raw = torch.as_tensor(_CudaArray(ptr, max(nbytes, 1)), device=self.device)
         return raw[:nbytes].view(dtype).view(shape)
@@ -324,8 +346,14 @@ class CopyEngineCommunicator(Communicator):
         self.rt.memcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream.cuda_stream)
 
     def _follow(self, stream, other) -> None:
-        """``stream``'s later work waits for the work queued on ``other`` so far."""
-        stream.wait_stream(other)
+        """``stream``'s later work waits for the work queued on ``other`` so far (one reused event
+        per thread: a stream wait binds to the record made before it, so re-recording is safe)."""
+        event = getattr(self._local, "event", None)
+        if event is None:
+            event = self._local.event = self.rt.eventCreateWithFlags(_EVENT_LOCAL)
+            self._thread_events.append(event)
+        self.rt.eventRecord(event, other.cuda_stream)
+        self.rt.streamWaitEvent(stream.cuda_stream, event, 0)
 
     def _host_barrier(self) -> None:
         self.delegate._barrier_impl()
@@ -513,12 +541,11 @@ class CopyEngineCommunicator(Communicator):
         w = self.world_size
         flat = t.reshape(-1)
         bounds = [r * (flat.numel() // w) for r in range(w + 1)]
-        self._reduce_into(out.view(-1), flat, bounds, op)
+        self._reduce_into(out.view(-1), flat, bounds[self.rank], bounds[self.rank + 1], op)
 
-    def _reduce_into(self, out: torch.Tensor, flat: torch.Tensor, bounds: list[int], op: str) -> None:
-        """Copy-engine reduce-scatter of 1-D ``flat``: this rank reduces elements
-        ``[bounds[rank], bounds[rank + 1])`` of every rank's ``flat`` into 1-D ``out``."""
-        lo, hi = bounds[self.rank], bounds[self.rank + 1]
+    def _reduce_into(self, out: torch.Tensor, flat: torch.Tensor, lo: int, hi: int, op: str) -> None:
+        """One exchange and one reduction: this rank reduces elements ``[lo, hi)`` of every rank's
+        1-D ``flat`` into 1-D ``out``."""
         elem = flat.element_size()
         stage = flat.new_empty((self.world_size, hi - lo))
         row = (hi - lo) * elem
@@ -541,15 +568,22 @@ class CopyEngineCommunicator(Communicator):
     def _all_reduce_ce(self, out: torch.Tensor, t: torch.Tensor, op: str) -> None:
         """all_reduce of CUDA ``t`` written into ``out`` (same shape, contiguous; may be ``t``
         itself: the input is staged in the window before any of ``out`` is written)."""
+        if self._in_window(out):
+            raise ValueError("all_reduce: out is window memory of backend 'ce' (the peers read the window "
+                             "while the result is written); window() tensors are inputs of all_gather, "
+                             "all_to_all, broadcast and reduce_scatter")
         self._in_use(out)
         w, flat, dst = self.world_size, t.reshape(-1), out.view(-1)
         if not flat.numel():
             return
+        elem = flat.element_size()
+        if flat.numel() * elem <= self.one_shot_bytes:  # one exchange of whole inputs
+            self._reduce_into(dst, flat, 0, flat.numel(), op)
+            return
         per = -(-flat.numel() // w)
         bounds = [min(r * per, flat.numel()) for r in range(w + 1)]
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
-        self._reduce_into(dst[lo:hi], flat, bounds, op)
-        elem = flat.element_size()
+        self._reduce_into(dst[lo:hi], flat, lo, hi, op)
         pulls = [(p, 0, dst.data_ptr() + bounds[p] * elem, (bounds[p + 1] - bounds[p]) * elem)
                  for p in range(w) if p != self.rank]  # this rank's chunk is in place already
         self._exchange(dst[lo:hi], per * elem, pulls)
@@ -655,6 +689,9 @@ class CopyEngineCommunicator(Communicator):
                     self.rt.eventDestroy(peer_event)
             self.rt.eventDestroy(event)
         self._events, self._peer_events = {}, {}
+        for event in self._thread_events:
+            self.rt.eventDestroy(event)
+        self._thread_events, self._local = [], threading.local()
         self.delegate._finalize_impl()
 
     def stats(self) -> dict[str, Any]:

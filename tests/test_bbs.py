@@ -156,14 +156,15 @@ def test_state_dict_resumes_the_same_sequence_and_epochs_differ():
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_iterating_a_sampler_yields_one_epoch_then_set_epoch_starts_the_next(name, drop_last):
     """torch's convention (DistributedSampler): ``for batch in sampler`` ends after ``len(sampler)``
-    steps; set_epoch(e) starts epoch e (another order), from its first step."""
+    steps, and iterating again repeats that epoch; set_epoch(e) starts epoch e (another order),
+    from its first step."""
     manager = create_plugin_manager()
     factory = manager.resolve("data", name).factory
     s = factory(heavytail(300, 64), batch_size=64, world_size=2, rank=0, seed=3, drop_last=drop_last)
     assert len(s) == (4 if drop_last else 5)
     first = list(s)
     assert len(first) == len(s)
-    assert list(s) == []                       # the epoch is over until set_epoch
+    assert list(s) == first                    # the same epoch again until set_epoch
     s.set_epoch(1)
     second = list(s)
     assert len(second) == len(s) and second != first
@@ -177,6 +178,8 @@ def test_iterating_a_sampler_yields_one_epoch_then_set_epoch_starts_the_next(nam
     resumed = factory(heavytail(300, 64), batch_size=64, world_size=2, rank=0, seed=3, drop_last=drop_last)
     resumed.load_state_dict(state)
     assert list(resumed) == second[2:]
+    assert list(resumed) == second             # after the resumed rest, the whole epoch again
+    assert len(resumed) == len(s)
 
 
 def test_sub_batches_are_balanced():

@@ -191,6 +191,12 @@ class Buffer:
     def reshape(self, *shape) -> "Buffer":
         return Buffer(self.ptr, (self.numel(),), self.dtype)
 
+    view = reshape
+
+    def __getitem__(self, span: slice) -> "Buffer":  # 1-D slices only
+        lo, hi, _ = span.indices(self.numel())
+        return Buffer(self.ptr + lo * self.element_size(), (max(hi - lo, 0),), self.dtype)
+
 
 class SimDelegate:
     backend = "sim"
@@ -229,6 +235,7 @@ class SimCE(CopyEngineCommunicator):
         self._curs = [Stream(f"r{rank}.cur"), Stream(f"r{rank}.cur2")]
         self._cur = self._curs[0]
         self.intra_node = True
+        self.one_shot_bytes = 1 << 20
         self.keep: list = []  # keep every host tensor alive: no address reuse between threads
 
     @staticmethod
@@ -307,6 +314,7 @@ def run_rank(c: SimCE, plan: list[tuple]) -> None:
     w = c.world_size
     for kind, rows, src, splits, stream in plan:
         c._cur = c._curs[stream]
+        c.one_shot_bytes = 0 if rows % 2 else 1 << 20  # all_reduce: two-step or one-shot (same on every rank)
         if kind == "all_gather":
             t = torch.empty(rows, 4)
             c.keep.append(t)
@@ -556,3 +564,12 @@ def test_the_check_reports_a_wait_nobody_satisfies():
 def test_sync_must_be_known():
     with pytest.raises(ValueError, match="sync"):
         CopyEngineCommunicator(sync="spin")
+
+
+def test_all_reduce_into_window_memory_is_refused():
+    """The peers read a rank's window while its all_reduce writes the result: a window tensor as
+    the output is an error naming the argument, not a race."""
+    c = SimCE(Sim(2, 0), 0, "flags")
+    t = c.window((8,), torch.float32)
+    with pytest.raises(ValueError, match="all_reduce: out is window memory"):
+        c._all_reduce_into_impl(t, t, "sum")

@@ -41,6 +41,8 @@ from typing import Callable, Union
 import numpy as np
 import torch
 
+from gemcore.data.samplers import EpochSampler
+
 CostFn = Callable[[torch.Tensor], torch.Tensor]
 Cost = Union[str, CostFn]
 
@@ -260,7 +262,7 @@ class StepPlan:
         return float(self.rank_cost.max()) / mean if mean > 0 else 1.0
 
 
-class BaseBatchShuffler:
+class BaseBatchShuffler(EpochSampler):
     """Per step, this rank's list of sample indices, cost-balanced across ranks without communication.
 
     lengths: (N,) history lengths of the dataset (the same on every rank).
@@ -270,9 +272,10 @@ class BaseBatchShuffler:
     ``"tokens"``, ``"quadratic"``, or a callable ``lengths (N,) int64 tensor -> (N,) costs``
     (called once). drop_last: drop the epoch's last, smaller step.
 
-    Iterating yields one epoch, as torch's ``DistributedSampler`` does: ``len(self)`` lists after
-    ``set_epoch(e)`` (the rest of the epoch after ``load_state_dict`` of a mid-epoch state), then
-    stops; ``set_epoch(e + 1)`` starts the next. ``state_dict()`` holds (epoch, step within epoch).
+    Iterating yields one epoch, as torch's ``DistributedSampler`` does (:class:`EpochSampler`):
+    ``len(self)`` lists, then stops; ``set_epoch(e + 1)`` starts the next; the first iteration after
+    ``load_state_dict`` of a mid-epoch state yields the rest of that epoch. ``state_dict()`` holds
+    (epoch, step within epoch) and the dataset's size, global batch and seed.
     """
 
     def __init__(self, lengths, *, world_size: int, rank: int, global_batch: int, sub_batch: int = 128,
@@ -301,16 +304,6 @@ class BaseBatchShuffler:
         self._perm_key = self._perm_cost = None
 
     # ------------------------------------------------------------------ schedule
-    def steps_per_epoch(self) -> int:
-        full, tail = divmod(self.n, self.global_batch)
-        return full + (1 if tail and not self.drop_last else 0)
-
-    def __len__(self) -> int:
-        return self.steps_per_epoch()
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch, self.step_in_epoch = int(epoch), 0
-
     def _permutation(self, epoch: int) -> np.ndarray:
         """The epoch's sample order, with sort keys and costs laid out in that order (once per
         epoch, so each step reads contiguous slices)."""
@@ -352,22 +345,19 @@ class BaseBatchShuffler:
         small, extra = divmod(num_samples, parts)
         return [small + 1] * extra + [small] * (parts - extra)
 
-    def __iter__(self):
-        while self.step_in_epoch < self.steps_per_epoch():
-            local = self.local_batch(self.plan(self.epoch, self.step_in_epoch))
-            self.step_in_epoch += 1
-            yield local.tolist()
+    def _step(self, step: int) -> list[int]:
+        return self.local_batch(self.plan(self.epoch, step)).tolist()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "num_samples": self.n,
-                "global_batch": self.global_batch, "seed": self.seed}
+        return {**super().state_dict(), "num_samples": self.n, "global_batch": self.global_batch,
+                "seed": self.seed}
 
     def load_state_dict(self, state: dict) -> None:
         for key, mine in (("num_samples", self.n), ("global_batch", self.global_batch), ("seed", self.seed)):
             if key in state and int(state[key]) != mine:
                 raise ValueError(f"sampler state: {key} was {state[key]} when saved, is {mine} now")
-        self.epoch, self.step_in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
+        super().load_state_dict(state)
 
 
 # --------------------------------------------------------------------------- baselines (for the bench)

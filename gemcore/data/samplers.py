@@ -1,19 +1,64 @@
-"""The ``random`` batch sampler: a seeded shuffle, split into global batches, sharded by rank."""
+"""Batch samplers' epoch bookkeeping, and the ``random`` batch sampler: a seeded shuffle, split
+into global batches, sharded by rank."""
 from __future__ import annotations
+
+from typing import Iterator
 
 import torch
 
 
-class RandomBatchSampler:
+class EpochSampler:
+    """Epochs of ``steps_per_epoch()`` steps, as torch's ``DistributedSampler`` iterates: each
+    ``iter()`` yields the whole current epoch (the same one again unless ``set_epoch`` moved on),
+    except the first after ``load_state_dict`` of a mid-epoch state, which yields the rest of it.
+    ``len()`` is the whole epoch's step count. Subclasses set ``n``, ``drop_last`` and
+    ``global_batch`` and implement ``_step(step)``: the batch of ``step`` of ``self.epoch``.
+    """
+
+    n: int
+    global_batch: int
+    drop_last: bool
+    epoch: int = 0
+    step_in_epoch: int = 0
+    _resuming: bool = False
+
+    def steps_per_epoch(self) -> int:
+        full, tail = divmod(self.n, self.global_batch)
+        return full + (1 if tail and not self.drop_last else 0)
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.step_in_epoch, self._resuming = int(epoch), 0, False
+
+    def _step(self, step: int) -> list[int]:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if not self._resuming:
+            self.step_in_epoch = 0
+        self._resuming = False
+        while self.step_in_epoch < self.steps_per_epoch():
+            batch = self._step(self.step_in_epoch)
+            self.step_in_epoch += 1
+            yield batch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.step_in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
+        self._resuming = True
+
+
+class RandomBatchSampler(EpochSampler):
     """Yields, per step, this rank's list of sample indices.
 
     lengths: (N,) history lengths (unused: random ignores cost; kept for the common signature).
     batch_size: global batch in samples, split evenly over ``world_size`` ranks (it must divide).
     Each epoch is a permutation drawn from (seed, epoch); the tail shorter than a global batch is
-    a final smaller step unless ``drop_last``. Iterating yields one epoch, as torch's
-    ``DistributedSampler`` does: ``len(self)`` lists after ``set_epoch(e)`` (the rest of the epoch
-    after ``load_state_dict`` of a mid-epoch state), then stops; ``set_epoch(e + 1)`` starts the
-    next. ``state_dict`` holds (epoch, step within epoch).
+    a final smaller step unless ``drop_last``. Iterating yields one epoch (:class:`EpochSampler`).
     ``cost`` and ``sub_batch`` (passed by the trainer to every sampler) are accepted and ignored:
     random sharding does not look at cost.
     """
@@ -28,33 +73,14 @@ class RandomBatchSampler:
         if n == 0:
             raise ValueError("lengths is empty: no samples to draw")
         self.n, self.batch_size, self.world_size, self.rank = n, batch_size, world_size, rank
+        self.global_batch = batch_size
         self.seed, self.drop_last = seed, drop_last
         self.epoch, self.step_in_epoch = 0, 0
+        self._perm_epoch, self._perm = -1, None
 
-    def steps_per_epoch(self) -> int:
-        full, tail = divmod(self.n, self.batch_size)
-        return full + (1 if tail and not self.drop_last else 0)
-
-    def __len__(self) -> int:
-        return self.steps_per_epoch()
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch, self.step_in_epoch = int(epoch), 0
-
-    def _permutation(self) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        return torch.randperm(self.n, generator=gen)
-
-    def __iter__(self):
-        perm = self._permutation()
-        while self.step_in_epoch < self.steps_per_epoch():
-            start = self.step_in_epoch * self.batch_size
-            batch = perm[start:start + self.batch_size]
-            self.step_in_epoch += 1
-            yield batch[self.rank::self.world_size].tolist()
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.step_in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
+    def _step(self, step: int) -> list[int]:
+        if self._perm_epoch != self.epoch:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            self._perm, self._perm_epoch = torch.randperm(self.n, generator=gen), self.epoch
+        batch = self._perm[step * self.batch_size:(step + 1) * self.batch_size]
+        return batch[self.rank::self.world_size].tolist()
