@@ -302,6 +302,7 @@ class CpuCE(CopyEngineCommunicator):
         self._set_place(delegate.rank, delegate.world_size, peers=list(delegate.peers))
         self.intra_node = self.num_nodes == 1
         self._hier, self._window, self._events, self._peer_events = None, 0, {}, {}
+        self._thread_events = []
         self._flags, self._peer_flags = 0, []
 
     def _spans_nodes(self, t) -> bool:
