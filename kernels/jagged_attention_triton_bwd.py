@@ -15,6 +15,7 @@ from gemcore.kernels.jagged_attention_triton_common import (
     _full_keys,
     _full_queries,
     _key_range,
+    _part,
     _query_range,
     _sequence,
 )
@@ -109,12 +110,7 @@ def _jagged_attn_bwd_dkdv(
     f_lo, f_hi = _full_queries(n0, lo, hi, q_len, kv_len, history, left, right, BLOCK_M, BLOCK_N,
                                CAUSAL, HAS_TARGETS, HAS_LEFT, HAS_RIGHT)
     for part in tl.static_range(3):
-        if part == 0:
-            p_lo, p_hi = f_lo, f_hi
-        elif part == 1:
-            p_lo, p_hi = lo, f_lo
-        else:
-            p_lo, p_hi = f_hi, hi
+        p_lo, p_hi = _part(part, lo, f_lo, f_hi, hi)
         dk, dv = _dkdv_loop(
             dk, dv, k, v, q_base, do_base, LSE2, DELTA, offs_n, p_lo, p_hi, o_start, H, h,
             stride_qt, stride_dot, q_len, kv_len, history, left, right, scale, qk_scale, inv_norm,
@@ -212,12 +208,7 @@ def _jagged_attn_bwd_dq(
     f_lo, f_hi = _full_keys(m0, lo, hi, q_len, kv_len, history, left, right, BLOCK_M, BLOCK_N,
                             CAUSAL, HAS_TARGETS, HAS_LEFT, HAS_RIGHT)
     for part in tl.static_range(3):
-        if part == 0:
-            p_lo, p_hi = f_lo, f_hi
-        elif part == 1:
-            p_lo, p_hi = lo, f_lo
-        else:
-            p_lo, p_hi = f_hi, hi
+        p_lo, p_hi = _part(part, lo, f_lo, f_hi, hi)
         dq = _dq_loop(
             dq, q, do, lse2, delta, k_base, v_base, offs_m, p_lo, p_hi, stride_kt, stride_vt,
             q_len, kv_len, history, left, right, scale, qk_scale, inv_norm, D_QK, D_V, BLOCK_DQK,

@@ -102,6 +102,18 @@ def _sequence(b, q_offsets, kv_offsets, num_targets, NQ_POOLED, POOLED: tl.const
 
 
 @triton.jit
+def _part(part: tl.constexpr, lo, f_lo, f_hi, hi):
+    """Tile range ``part`` of a row block's loop: 0 the whole tiles [f_lo, f_hi) (no mask), 1 the
+    masked tiles before them [lo, f_lo), 2 the masked tiles after them [f_hi, hi)."""
+    if part == 0:
+        return f_lo, f_hi
+    elif part == 1:
+        return lo, f_lo
+    else:
+        return f_hi, hi
+
+
+@triton.jit
 def _full_keys(m0, lo, hi, q_len, kv_len, history, left, right, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):

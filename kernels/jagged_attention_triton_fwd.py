@@ -13,6 +13,7 @@ from gemcore.kernels.jagged_attention_triton_common import (
     _allowed,
     _full_keys,
     _key_range,
+    _part,
     _sequence,
 )
 
@@ -99,12 +100,7 @@ def _jagged_attn_fwd(
     f_lo, f_hi = _full_keys(m0, lo, hi, q_len, kv_len, history, left, right, BLOCK_M, BLOCK_N,
                             CAUSAL, HAS_TARGETS, HAS_LEFT, HAS_RIGHT)
     for part in tl.static_range(3):
-        if part == 0:
-            p_lo, p_hi = f_lo, f_hi
-        elif part == 1:
-            p_lo, p_hi = lo, f_lo
-        else:
-            p_lo, p_hi = f_hi, hi
+        p_lo, p_hi = _part(part, lo, f_lo, f_hi, hi)
         acc, m_i, l_i = _fwd_loop(
             acc, m_i, l_i, q, k_base, v_base, offs_m, p_lo, p_hi, stride_kt, stride_vt, q_len,
             kv_len, history, left, right, scale, qk_scale, D_QK, D_V, BLOCK_DQK, BLOCK_DV,
