@@ -183,6 +183,28 @@ def test_gem_plugins_cuts_nothing_at_any_width(tmp_path, columns):
             assert impl["plugin"] in proc.stdout and impl["name"] in proc.stdout
 
 
+@pytest.mark.parametrize("columns", [80, 120])
+def test_progress_bar_cuts_no_column(columns):
+    """Step count, elapsed time and the figures are whole at 80 characters too (a terminal of
+    that width used to show '120/…' and '0:0…')."""
+    import io
+
+    from rich.console import Console
+
+    from gemcore.cli.report import progress_bar
+
+    buf = io.StringIO()
+    console = Console(file=buf, width=columns, force_terminal=True, color_system=None)
+    with progress_bar(console, 30000) as update:
+        update(12000, 0.6931, 1221911.0, 0.123, 0.452)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", buf.getvalue()).replace("\r", "\n")
+    line = [row for row in text.splitlines() if row.strip()][-1]
+    assert "…" not in line and len(line) <= columns
+    for part in ("12000/30000", "0:00:0", "loss 0.6931", "1,221,911 tok/s", "MFU 12.3%"):
+        assert part in line, (part, line)
+    assert ("padding would waste 45.2%" in line) == (columns >= 110)
+
+
 def test_default_run_computes_on_one_cpu_thread(tmp_path, monkeypatch):
     """run.threads = 1 by default (docs/training.md, "CPU threads"); 0 leaves torch's choice."""
     import torch

@@ -19,9 +19,14 @@ def progress_bar(console, total_steps: int, disabled: bool = False):
     if disabled:
         yield lambda *a, **k: None
         return
-    columns = [TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
-               TextColumn("MFU {task.fields[mfu]}"), TextColumn("padding would waste {task.fields[waste]}")]
+    # narrower terminals: a shorter bar and no padding column (the summary has it), so that no
+    # column is cut short at 80 characters
+    wide = console.width >= 110
+    columns = [TextColumn("train"), BarColumn(bar_width=40 if wide else 10), MofNCompleteColumn(),
+               TimeElapsedColumn(), TextColumn("loss {task.fields[loss]:.4f}"),
+               TextColumn("{task.fields[tps]:,.0f} tok/s"), TextColumn("MFU {task.fields[mfu]}")]
+    if wide:
+        columns.append(TextColumn("padding would waste {task.fields[waste]}"))
     progress = Progress(*columns, console=console, transient=False)
     task = None
 
