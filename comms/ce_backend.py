@@ -175,13 +175,13 @@ class CopyEngineCommunicator(Communicator):
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be one of {', '.join(map(repr, SYNC_MODES))}, got {sync!r}")
         try:
-            one_shot_bytes = int(one_shot_bytes)
-        except ValueError:
-            one_shot_bytes = -1
-        if one_shot_bytes < 0:
+            one_shot = int(one_shot_bytes)
+        except (TypeError, ValueError):
+            one_shot = -1
+        if one_shot < 0:
             raise ValueError(f"one_shot_bytes must be a byte count >= 0, got {one_shot_bytes!r}")
         #: all_reduce of at most this many bytes: one exchange of whole inputs
-        self.one_shot_bytes = one_shot_bytes
+        self.one_shot_bytes = one_shot
         #: "flags": GPU counters, no host barrier; "event": IPC events, one; "barrier": two
         self.sync = sync
         self._slots = 1 if sync == "barrier" else 2

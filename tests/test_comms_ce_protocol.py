@@ -566,6 +566,12 @@ def test_sync_must_be_known():
         CopyEngineCommunicator(sync="spin")
 
 
+@pytest.mark.parametrize("value", [-1, "many", None])
+def test_one_shot_bytes_must_be_a_byte_count(value):
+    with pytest.raises(ValueError, match=f"one_shot_bytes must be a byte count >= 0, got {value!r}"):
+        CopyEngineCommunicator(one_shot_bytes=value)
+
+
 def test_all_reduce_into_window_memory_is_refused():
     """The peers read a rank's window while its all_reduce writes the result: a window tensor as
     the output is an error naming the argument, not a race."""
