@@ -299,7 +299,6 @@ class BaseBatchShuffler(EpochSampler):
         self.costs = sample_costs(lengths, cost)
         distinct, rank_of_cost = np.unique(self.costs, return_inverse=True)
         self._key = rank_of_cost.astype(np.uint16 if distinct.size <= 1 << 16 else np.int64)
-        self.epoch, self.step_in_epoch = 0, 0
         self._perm_epoch, self._perm = -1, None
         self._perm_key = self._perm_cost = None
 

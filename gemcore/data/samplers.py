@@ -2,12 +2,13 @@
 into global batches, sharded by rank."""
 from __future__ import annotations
 
+import abc
 from typing import Iterator
 
 import torch
 
 
-class EpochSampler:
+class EpochSampler(abc.ABC):
     """Epochs of ``steps_per_epoch()`` steps, as torch's ``DistributedSampler`` iterates: each
     ``iter()`` yields the whole current epoch (the same one again unless ``set_epoch`` moved on),
     except the first after ``load_state_dict`` of a mid-epoch state, which yields the rest of it.
@@ -32,8 +33,9 @@ class EpochSampler:
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self.step_in_epoch, self._resuming = int(epoch), 0, False
 
+    @abc.abstractmethod
     def _step(self, step: int) -> list[int]:
-        raise NotImplementedError
+        """This rank's sample indices for ``step`` of ``self.epoch``."""
 
     def __iter__(self) -> Iterator[list[int]]:
         if not self._resuming:
@@ -72,15 +74,13 @@ class RandomBatchSampler(EpochSampler):
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
         if n == 0:
             raise ValueError("lengths is empty: no samples to draw")
-        self.n, self.batch_size, self.world_size, self.rank = n, batch_size, world_size, rank
-        self.global_batch = batch_size
+        self.n, self.global_batch, self.world_size, self.rank = n, batch_size, world_size, rank
         self.seed, self.drop_last = seed, drop_last
-        self.epoch, self.step_in_epoch = 0, 0
         self._perm_epoch, self._perm = -1, None
 
     def _step(self, step: int) -> list[int]:
         if self._perm_epoch != self.epoch:
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
             self._perm, self._perm_epoch = torch.randperm(self.n, generator=gen), self.epoch
-        batch = self._perm[step * self.batch_size:(step + 1) * self.batch_size]
+        batch = self._perm[step * self.global_batch:(step + 1) * self.global_batch]
         return batch[self.rank::self.world_size].tolist()
