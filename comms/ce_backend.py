@@ -12,18 +12,21 @@ and open each other's. Every collective on CUDA tensors runs as one or two *exch
    staging buffer that one reduction kernel on the caller's stream reads); the rank's own chunk
    is copied on the caller's stream, which then joins the peers' streams and signals *done*;
 3. before a slot is written again, the caller's stream waits for every rank's *done* of the call
-   that last used it (this rank's own too: successive calls may run on different streams, as
-   FSDP2's all-gathers and reduce-scatters do).
+   that last used it (this rank's own too when that call ran on another stream: successive calls
+   may run on different streams, as FSDP2's all-gathers and reduce-scatters do).
 
-all_gather, all_to_all(-v) and broadcast are one exchange; reduce_scatter is one exchange into a
-staging buffer of ``world_size`` chunks and one reduction (``sum``/``avg``/``max``/``min``; 16-bit
-floats accumulate in float32 and round once, as NCCL does). all_reduce of at most
-``one_shot_bytes`` (default 256 KiB) is one exchange: every rank pulls every rank's whole input
-and reduces all of them in rank order, so the ranks' results are bitwise equal (one exchange's
-latency instead of two; NCCL's LL protocols and one-shot custom all-reduces make the same
-trade). A larger all_reduce is a reduce_scatter of chunks of ``ceil(n / world_size)`` elements
-and an all_gather of them (each rank moves 2n bytes instead of world_size * n). The reduction is
-the only SM work; :meth:`stats` counts its kernels and bytes.
+all_gather, all_to_all(-v) and broadcast are one exchange. Reductions (``sum``/``avg``/``max``/
+``min``; 16-bit floats accumulate in float32 and round once, as NCCL does) whose input is at most
+``one_shot_bytes`` (default 256 KiB) are one exchange with no pulls: once every peer is ready, the
+reduction kernel reads every rank's window slot in place (IPC-opened memory) in rank order and
+writes the result, then the rank signals *done*: the shortest chain of stream operations, and
+the ranks' all_reduce results are bitwise equal. This is the one-shot form of NCCL's LL protocols
+and of custom all-reduces; all_reduce is then one exchange instead of two. Larger reductions
+keep the bytes on copy engines: reduce_scatter is one exchange pulling every rank's chunk into a
+staging buffer of ``world_size`` chunks and one reduction; all_reduce is a reduce_scatter of
+chunks of ``ceil(n / world_size)`` elements and an all_gather of them (each rank moves 2n bytes
+instead of world_size * n). The reductions are the only SM work; :meth:`stats` counts their
+kernels and bytes (``window_read_bytes``: what they read from peers' windows in place).
 
 How *ready* and *done* are signalled (``sync``):
 
@@ -84,7 +87,7 @@ _EVENT_FLAGS = 0x2 | 0x4  # cudaEventDisableTiming | cudaEventInterprocess
 _EVENT_LOCAL = 0x2  # cudaEventDisableTiming
 _IPC_LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
 _MIN_WINDOW = 1 << 20
-#: all_reduce up to this many bytes: one exchange of whole inputs (see the module docstring)
+#: reductions of inputs up to this many bytes read the peers' windows in place: one exchange (see above)
 ONE_SHOT_BYTES = 256 << 10
 _FLAG_PAGE = 4096
 #: byte offsets of this rank's counters in its flag page (one per slot, a cache line apart); the probe word
@@ -134,10 +137,13 @@ def make_delegate(name: str, timeout_s: float | None) -> Communicator:
     return BUILTIN_BACKENDS[name](timeout_s=timeout_s, check=False)
 
 
-def reduce_chunks(stage: torch.Tensor, out: torch.Tensor, op: str) -> int:
+def reduce_chunks(stage: torch.Tensor | list[torch.Tensor], out: torch.Tensor, op: str) -> int:
     """Reduce ``stage`` ``(w, m, ...)`` over dim 0 into ``out`` ``(m, ...)``; returns the kernels
-    launched. ``avg`` is the sum divided by ``w``; float16/bfloat16 accumulate in float32 and round
-    once; integers wrap in their own type."""
+    launched. ``stage`` may also be a list of ``w`` tensors of ``out``'s shape (the rows, in rank
+    order, where they lie: read in place, no stacking copy). ``avg`` is the sum divided by ``w``;
+    float16/bfloat16 accumulate in float32 and round once; integers wrap in their own type."""
+    if isinstance(stage, (list, tuple)):
+        return _reduce_rows(list(stage), out, op)
     w = stage.shape[0]
     if op in ("max", "min"):
         (torch.amax if op == "max" else torch.amin)(stage, 0, out=out)
@@ -152,6 +158,44 @@ def reduce_chunks(stage: torch.Tensor, out: torch.Tensor, op: str) -> int:
     else:
         torch.div(torch.sum(stage, 0, dtype=acc), w, out=out)
     return 2
+
+
+def _reduce_rows(rows: list[torch.Tensor], out: torch.Tensor, op: str) -> int:
+    """:func:`reduce_chunks` of separate rows, folded left to right (the same order on every rank,
+    so every rank's result is the same bit for bit). ``out`` may be one of ``rows``."""
+    w = len(rows)
+    if w == 1:
+        out.copy_(rows[0])
+        return 1
+    if any(row.data_ptr() == out.data_ptr() for row in rows[2:]):  # out is a row the fold reads later
+        folded = torch.empty_like(out)
+        return _reduce_rows(rows, folded, op) + (out.copy_(folded) is not None)
+    if op in ("max", "min"):
+        fold = torch.maximum if op == "max" else torch.minimum
+        fold(rows[0], rows[1], out=out)
+        for row in rows[2:]:
+            fold(out, row, out=out)
+        return w - 1
+    acc = _ACCUMULATE.get(out.dtype)
+    if op == "sum" and (acc is None or w == 2):  # two 16-bit floats: one float32 add, one rounding
+        torch.add(rows[0], rows[1], out=out)
+        for row in rows[2:]:
+            out.add_(row)
+        return w - 1
+    if acc is None:  # avg of float32 / float64
+        torch.add(rows[0], rows[1], out=out)
+        for row in rows[2:]:
+            out.add_(row)
+        out.div_(w)
+        return w
+    total = rows[0].to(acc)
+    for row in rows[1:]:
+        total.add_(row)
+    if op == "avg":
+        torch.div(total, w, out=out)
+    else:
+        out.copy_(total)
+    return w + 1
 
 
 class _CudaArray:
@@ -180,14 +224,17 @@ class CopyEngineCommunicator(Communicator):
             one_shot = -1
         if one_shot < 0:
             raise ValueError(f"one_shot_bytes must be a byte count >= 0, got {one_shot_bytes!r}")
-        #: all_reduce of at most this many bytes: one exchange of whole inputs
+        #: reductions of inputs of at most this many bytes: one exchange, the peers' windows read in place
         self.one_shot_bytes = one_shot
         #: "flags": GPU counters, no host barrier; "event": IPC events, one; "barrier": two
         self.sync = sync
         self._slots = 1 if sync == "barrier" else 2
+        #: the caller's stream of each slot's last call (its own reads of the slot are ordered on it)
+        self._slot_streams: list = [None] * 2
         self._calls = 0
         self._counts = {"exchanges": 0, "copies": 0, "copied_bytes": 0, "staged_bytes": 0,
-                        "reduce_kernels": 0, "reduced_bytes": 0, "host_staged_calls": 0}
+                        "reduce_kernels": 0, "reduced_bytes": 0, "window_read_bytes": 0,
+                        "host_staged_calls": 0}
         if not torch.cuda.is_available():
             raise RuntimeError("backend 'ce' needs a CUDA GPU (copy-engine collectives over CUDA IPC); "
                                "torch.cuda.is_available() is False")
@@ -209,6 +256,8 @@ class CopyEngineCommunicator(Communicator):
         self._capacity = 0
         self._window = 0
         self._peer_windows: list[int] = []
+        #: each rank's window slots as uint8 tensors (``[rank][slot]``), for in-place reads
+        self._peer_slots: list[list[torch.Tensor]] = []
         self._events: dict[str, int] = {}
         self._local = threading.local()  # this thread's event for _follow
         self._thread_events: list[int] = []
@@ -286,6 +335,8 @@ class CopyEngineCommunicator(Communicator):
         handles = self._gather_bytes(self._ipc("ipcGetMemHandle", self._window))
         self._peer_windows = [self._window if r == self.rank else
                               self._ipc("ipcOpenMemHandle", h, _IPC_LAZY_PEER_ACCESS) for r, h in enumerate(handles)]
+        self._peer_slots = [[self._window_tensor(self._slot_ptr(base, slot), nbytes, (nbytes,), torch.uint8)
+                             for slot in range(self._slots)] for base in self._peer_windows]
 
     def _close_windows(self) -> None:
         for r, ptr in enumerate(self._peer_windows):
@@ -293,7 +344,7 @@ class CopyEngineCommunicator(Communicator):
                 self.rt.ipcCloseMemHandle(ptr)
         if self._window:
             self.rt.free(self._window)
-        self._peer_windows, self._window, self._capacity = [], 0, 0
+        self._peer_windows, self._peer_slots, self._window, self._capacity = [], [], 0, 0
 
     def window(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """A tensor in this rank's registered window, in the slot the next ce collective uses
@@ -316,6 +367,12 @@ class CopyEngineCommunicator(Communicator):
     def _window_tensor(self, ptr: int, nbytes: int, shape, dtype: torch.dtype) -> torch.Tensor:
         raw = torch.as_tensor(_CudaArray(ptr, max(nbytes, 1)), device=self.device)
         return raw[:nbytes].view(dtype).view(shape)
+
+    def _peer_view(self, peer: int, slot: int, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """``numel`` elements at byte ``offset`` of ``peer``'s window slot ``slot``, read in place
+        (a view of the opened IPC memory, made once per window)."""
+        raw = self._peer_slots[peer][slot]
+        return raw[offset:offset + numel * dtype.itemsize].view(dtype)
 
     def _slot_ptr(self, base: int, slot: int) -> int:
         return base + slot * self._capacity
@@ -358,11 +415,12 @@ class CopyEngineCommunicator(Communicator):
     def _host_barrier(self) -> None:
         self.delegate._barrier_impl()
 
-    def _reduce(self, stage: torch.Tensor, out: torch.Tensor, op: str) -> None:
-        """The one SM step: reduce the pulled chunks ``stage`` ``(w, m, ...)`` into ``out`` on the
-        caller's stream."""
+    def _reduce(self, stage, out: torch.Tensor, op: str) -> None:
+        """The one SM step, on the caller's stream: reduce ``stage`` into ``out``: the pulled chunks
+        ``(w, m, ...)``, or the list of every rank's rows read in place (:func:`reduce_chunks`)."""
         self._counts["reduce_kernels"] += reduce_chunks(stage, out, op)
-        self._counts["reduced_bytes"] += stage.numel() * stage.element_size()
+        rows = stage if isinstance(stage, list) else [stage]
+        self._counts["reduced_bytes"] += sum(r.numel() * r.element_size() for r in rows)
 
     # ------------------------------------------------------------------ the copy-engine protocol
     def _in_use(self, t) -> None:
@@ -378,21 +436,27 @@ class CopyEngineCommunicator(Communicator):
 
     def _before_write(self, k: int, slot: int, stream) -> None:
         """``stream``'s later writes of slot ``slot`` (call ``k``) wait for every rank's reads of
-        it, this rank's own included: successive calls may be queued on different streams."""
+        it, this rank's own included when the slot's last call ran on another stream (successive
+        calls may be queued on different streams; on the same one, stream order suffices)."""
+        own_in_order = self._slot_streams[slot] is not None and self._slot_streams[slot] == stream
+        ranks = [r for r in range(self.world_size) if not (own_in_order and r == self.rank)]
         if self.sync == "flags":
             if k >= self._slots:  # every rank finished call k - slots
-                for rank in range(self.world_size):
+                for rank in ranks:
                     self._wait_flag(stream, rank, f"done{slot}", k - self._slots + 1)
         else:  # event, barrier: the most recent records are those of the slot's last call
-            for rank in range(self.world_size):
+            for rank in ranks:
                 self._wait(stream, rank, f"done{slot}")
 
     def _exchange(self, t: torch.Tensor, window_bytes: int, pulls: list[tuple[int, int, int, int]],
-                  src_ranks_stage: bool = True) -> None:
+                  src_ranks_stage: bool = True, read_windows=None) -> None:
         """Run one exchange (steps 1-3 of the module docstring) on the caller's current stream.
 
         :param pulls: ``(peer, peer window offset, destination pointer, bytes)`` copies to make.
         :param src_ranks_stage: whether this rank copies ``t`` into its window (step 1).
+        :param read_windows: ``read_windows(slot)`` queues work on the caller's stream that reads
+            every rank's window slot in place (the direct reduction); it runs once every peer is
+            ready and before *done*.
         """
         self._grow(window_bytes)
         k = self._calls
@@ -423,6 +487,14 @@ class CopyEngineCommunicator(Communicator):
             else:
                 self._wait(stream, peer, ready)
             self._copy(dst, self._slot_ptr(self._peer_windows[peer], slot) + offset, nbytes, stream)
+        if read_windows is not None:
+            for peer in range(self.world_size):
+                if peer != self.rank:
+                    if flags:
+                        self._wait_flag(cur, peer, ready, k + 1)
+                    else:
+                        self._wait(cur, peer, ready)
+            read_windows(slot)
         for _, offset, dst, nbytes in [pull for pull in active if pull[0] == self.rank]:
             self._copy(dst, mine + offset, nbytes, cur)  # this rank's own chunk, on the caller's stream
         for peer in dict.fromkeys(p for p, *_ in remote):
@@ -433,6 +505,7 @@ class CopyEngineCommunicator(Communicator):
             self._record(done, cur)
         if self.sync == "barrier":  # every done record is issued before the next call waits on it
             self._host_barrier()
+        self._slot_streams[slot] = cur
         self._counts["exchanges"] += 1
         self._counts["copies"] += len(active)
         self._counts["copied_bytes"] += sum(p[3] for p in active)
@@ -445,7 +518,8 @@ class CopyEngineCommunicator(Communicator):
     def _make_intra(self, sub: Communicator) -> Communicator:
         """The copy-engine communicator of this node's ranks (``sub``: the delegate's)."""
         return CopyEngineCommunicator(timeout_s=self.timeout_s, check=False, delegate=sub,
-                                      window_bytes=_MIN_WINDOW, sync=self.sync)
+                                      window_bytes=_MIN_WINDOW, sync=self.sync,
+                                      one_shot_bytes=self.one_shot_bytes)
 
     def _hierarchy(self) -> Hierarchy:
         """The intra-node ce and inter-node delegate communicators (collective on first call:
@@ -545,8 +619,19 @@ class CopyEngineCommunicator(Communicator):
 
     def _reduce_into(self, out: torch.Tensor, flat: torch.Tensor, lo: int, hi: int, op: str) -> None:
         """One exchange and one reduction: this rank reduces elements ``[lo, hi)`` of every rank's
-        1-D ``flat`` into 1-D ``out``."""
+        1-D ``flat`` into 1-D ``out``. Up to ``one_shot_bytes`` of ``flat``, the reduction reads
+        the peers' window slots in place (no pull copies, no staging buffer: the shortest chain of
+        stream operations); above, the peers' rows are pulled by copy engines into a staging
+        buffer first."""
         elem = flat.element_size()
+        if flat.numel() * elem <= self.one_shot_bytes:
+            def read_windows(slot: int) -> None:
+                rows = [flat[lo:hi] if p == self.rank else
+                        self._peer_view(p, slot, lo * elem, hi - lo, flat.dtype) for p in range(self.world_size)]
+                self._reduce(rows, out, op)
+                self._counts["window_read_bytes"] += (self.world_size - 1) * (hi - lo) * elem
+            self._exchange(flat, flat.numel() * elem, [], read_windows=read_windows)
+            return
         stage = flat.new_empty((self.world_size, hi - lo))
         row = (hi - lo) * elem
         pulls = [(p, lo * elem, stage.data_ptr() + p * row, row) for p in range(self.world_size)]
@@ -640,7 +725,8 @@ class CopyEngineCommunicator(Communicator):
     def _split_impl(self, groups: list[list[int]], index: int) -> Communicator:
         sub = self.delegate._split_impl(groups, index)
         return CopyEngineCommunicator(timeout_s=self.timeout_s, check=self.check, delegate=sub,
-                                      window_bytes=_MIN_WINDOW, sync=self.sync)
+                                      window_bytes=_MIN_WINDOW, sync=self.sync,
+                                      one_shot_bytes=self.one_shot_bytes)
 
     # Point to point goes through the delegate; a gloo delegate moves host memory only, so CUDA
     # tensors are staged through pinned host buffers (pipeline stages' activations: small).
@@ -667,7 +753,8 @@ class CopyEngineCommunicator(Communicator):
     def _subgroup_impl(self, members: list[int], store) -> Communicator:
         sub = self.delegate._subgroup_impl(members, store)
         return CopyEngineCommunicator(timeout_s=self.timeout_s, check=self.check, delegate=sub,
-                                      window_bytes=_MIN_WINDOW, sync=self.sync)
+                                      window_bytes=_MIN_WINDOW, sync=self.sync,
+                                      one_shot_bytes=self.one_shot_bytes)
 
     def _finalize_impl(self) -> None:
         if self._hier is not None:

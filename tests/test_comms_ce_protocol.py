@@ -225,6 +225,7 @@ class SimCE(CopyEngineCommunicator):
         self.local_rank, self.local_size, self.peers = rank, sim.world, [(0, r) for r in range(sim.world)]
         self.delegate = SimDelegate(sim, rank)
         self._slots = 1 if sync == "barrier" else 2
+        self._slot_streams = [None] * 2
         self._calls = 0
         self._counts = collections.defaultdict(int)
         self._capacity = WINDOW_BYTES
@@ -270,10 +271,14 @@ class SimCE(CopyEngineCommunicator):
         self.sim.op(self.rank, stream, f"copy call {self._calls} on {stream.name}",
                     reads=[(src, src + nbytes)], writes=[(dst, dst + nbytes)])
 
+    def _peer_view(self, peer: int, slot: int, offset: int, numel: int, dtype):
+        return Buffer(self._slot_ptr(self._peer_windows[peer], slot) + offset, (numel,), dtype)
+
     def _reduce(self, stage, out, op: str) -> None:
-        self.keep += [stage, out]
+        rows = stage if isinstance(stage, list) else [stage]
+        self.keep += [*rows, out]
         self.sim.op(self.rank, self._cur, f"reduce call {self._calls}",
-                    reads=[_span(stage)], writes=[_span(out)])
+                    reads=[_span(r) for r in rows], writes=[_span(out)])
 
     def _follow(self, stream, other) -> None:
         self.sim.wait_for(self.rank, stream, other.name)
@@ -314,7 +319,8 @@ def run_rank(c: SimCE, plan: list[tuple]) -> None:
     w = c.world_size
     for kind, rows, src, splits, stream in plan:
         c._cur = c._curs[stream]
-        c.one_shot_bytes = 0 if rows % 2 else 1 << 20  # all_reduce: two-step or one-shot (same on every rank)
+        # reductions: pulls (all_reduce: two-step) or in-place window reads (same on every rank)
+        c.one_shot_bytes = 0 if rows % 2 else 1 << 20
         if kind == "all_gather":
             t = torch.empty(rows, 4)
             c.keep.append(t)
@@ -579,3 +585,48 @@ def test_all_reduce_into_window_memory_is_refused():
     t = c.window((8,), torch.float32)
     with pytest.raises(ValueError, match="all_reduce: out is window memory"):
         c._all_reduce_into_impl(t, t, "sum")
+
+
+class DirectReadOffStream(SimCE):
+    """Broken: the in-place reduction of the peers' windows runs on a side stream that *done* does
+    not wait for, so a peer may restage its slot while it is read."""
+
+    def _reduce(self, stage, out, op: str) -> None:
+        if not isinstance(stage, list):
+            return super()._reduce(stage, out, op)
+        side = self._streams[self.rank]
+        self._follow(side, self._cur)
+        self.keep += [*stage, out]
+        self.sim.op(self.rank, side, f"reduce call {self._calls} off stream",
+                    reads=[_span(r) for r in stage], writes=[_span(out)])
+
+
+def test_the_check_catches_window_reads_after_done():
+    kinds = ["reduce_scatter", "all_reduce", "all_gather"]
+    assert any(simulate(3, seed, "flags", calls=20, cls=DirectReadOffStream, kinds=kinds) for seed in range(3))
+
+
+class CountsWaits(SimCE):
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.own_done_waits = 0
+
+    def _wait_flag(self, stream, peer: int, flag: str, value: int) -> None:
+        self.own_done_waits += flag.startswith("done") and peer == self.rank
+        super()._wait_flag(stream, peer, flag, value)
+
+
+@pytest.mark.parametrize("streams,expected", [(1, False), (2, True)])
+def test_own_done_is_waited_on_only_across_streams(streams, expected):
+    """On one caller stream, stream order already orders this rank's own reads of a slot before
+    its next write: no own *done* wait is queued; across two streams it is."""
+    sim = Sim(2, 0)
+    ranks = [CountsWaits(sim, r, "flags") for r in range(2)]
+    plan = [("all_gather", 2, 0, None, (i // 2) % streams) for i in range(8)]  # a slot changes streams
+    threads = [threading.Thread(target=run_rank, args=(c, plan)) for c in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not sim.races()
+    assert all((c.own_done_waits > 0) == expected for c in ranks), [c.own_done_waits for c in ranks]

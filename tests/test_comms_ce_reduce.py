@@ -41,11 +41,38 @@ def test_float_reduction_rounds_once(dtype, op, w, m):
     assert kernels == (2 if op == "avg" else 1)
 
 
+@pytest.mark.parametrize("dtype", FLOATS + INTS[:2])
+@pytest.mark.parametrize("op", ["sum", "avg", "max", "min"])
+@pytest.mark.parametrize("w,m", [(1, 5), (2, 0), (2, 1), (2, 33), (3, 17), (4, 1000)])
+@pytest.mark.parametrize("into_row", [None, 0, -1])
+def test_rows_read_in_place_reduce_like_the_stage(dtype, op, w, m, into_row):
+    """The direct form (separate rows, as read from the peers' windows; the output may be one of
+    them, as an in-place all_reduce makes it): the same values as the staged reduction, within
+    one rounding of the dtype; integers and max/min exactly; 16-bit floats accumulate in float32."""
+    if op == "avg" and not dtype.is_floating_point:
+        return
+    stage = _stage(w, m, dtype, seed=w * 10 + m)
+    rows = [r.clone() for r in stage]
+    out = torch.empty(m, dtype=dtype) if into_row is None else rows[into_row]
+    kernels = reduce_chunks(rows, out, op)
+    want = torch.empty(m, dtype=dtype)
+    reduce_chunks(stage, want, op)
+    if dtype in (torch.float32, torch.float64) and op in ("sum", "avg"):
+        tol = {torch.float32: 1e-5, torch.float64: 1e-12}[dtype]
+        assert torch.allclose(out.double(), want.double(), rtol=tol, atol=tol)
+    else:  # bit for bit: integers, max/min, and 16-bit floats (one float32 accumulation, one rounding)
+        assert torch.equal(out, want), (out[:6], want[:6])
+    assert kernels == {1: 1}.get(w, kernels) and kernels <= w + 2
+
+
 def test_bf16_sum_is_not_a_bf16_running_sum():
     """A running bf16 sum loses the small terms; the reduction keeps them (float32 accumulation)."""
     stage = torch.tensor([[256.0], [1.0], [1.0], [1.0]], dtype=torch.bfloat16)
     out = torch.empty(1, dtype=torch.bfloat16)
     reduce_chunks(stage, out, "sum")
+    rows_out = torch.empty(1, dtype=torch.bfloat16)
+    reduce_chunks(list(stage), rows_out, "sum")
+    assert rows_out.item() == 260.0
     running = stage[0]
     for row in stage[1:]:
         running = running + row
