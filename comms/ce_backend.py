@@ -167,7 +167,7 @@ def _reduce_rows(rows: list[torch.Tensor], out: torch.Tensor, op: str) -> int:
     if w == 1:
         out.copy_(rows[0])
         return 1
-    if any(row.data_ptr() == out.data_ptr() for row in rows[2:]):  # out is a row the fold reads later
+    if out.numel() and any(row.data_ptr() == out.data_ptr() for row in rows[2:]):  # out: a row read later
         folded = torch.empty_like(out)
         return _reduce_rows(rows, folded, op) + (out.copy_(folded) is not None)
     if op in ("max", "min"):
