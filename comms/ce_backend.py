@@ -90,6 +90,7 @@ _MIN_WINDOW = 1 << 20
 #: reductions of inputs up to this many bytes read the peers' windows in place: one exchange (see above)
 ONE_SHOT_BYTES = 256 << 10
 _FLAG_PAGE = 4096
+_MAX_VIEWS = 256  # typed views of peers' windows kept (dropped all at once beyond)
 #: byte offsets of this rank's counters in its flag page (one per slot, a cache line apart); the probe word
 _FLAG_OFFSET = {"ready0": 0, "ready1": 128, "done0": 256, "done1": 384, "probe": 512}
 SYNC_MODES = ("flags", "event", "barrier")
@@ -258,6 +259,7 @@ class CopyEngineCommunicator(Communicator):
         self._peer_windows: list[int] = []
         #: each rank's window slots as uint8 tensors (``[rank][slot]``), for in-place reads
         self._peer_slots: list[list[torch.Tensor]] = []
+        self._views: dict[tuple, torch.Tensor] = {}  # typed views of them, by (rank, slot, offset, numel, dtype)
         self._events: dict[str, int] = {}
         self._local = threading.local()  # this thread's event for _follow
         self._thread_events: list[int] = []
@@ -345,6 +347,7 @@ class CopyEngineCommunicator(Communicator):
         if self._window:
             self.rt.free(self._window)
         self._peer_windows, self._peer_slots, self._window, self._capacity = [], [], 0, 0
+        self._views = {}
 
     def window(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """A tensor in this rank's registered window, in the slot the next ce collective uses
@@ -370,9 +373,15 @@ class CopyEngineCommunicator(Communicator):
 
     def _peer_view(self, peer: int, slot: int, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """``numel`` elements at byte ``offset`` of ``peer``'s window slot ``slot``, read in place
-        (a view of the opened IPC memory, made once per window)."""
-        raw = self._peer_slots[peer][slot]
-        return raw[offset:offset + numel * dtype.itemsize].view(dtype)
+        (views of the opened IPC memory, kept per window: successive calls ask for the same ones)."""
+        key = (peer, slot, offset, numel, dtype)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= _MAX_VIEWS:
+                self._views.clear()
+            raw = self._peer_slots[peer][slot]
+            view = self._views[key] = raw[offset:offset + numel * dtype.itemsize].view(dtype)
+        return view
 
     def _slot_ptr(self, base: int, slot: int) -> int:
         return base + slot * self._capacity
