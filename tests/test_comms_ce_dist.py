@@ -42,7 +42,7 @@ def test_bench_smoke_through_torch_distributed():
     out = proc.stdout
     for op in ("all_gather", "reduce_scatter", "all_reduce"):
         assert f"# {op}, backend ce, 2 ranks" in out, out
-    assert "gpu(us)" in out and "bus/d2d%" in out and "sync flags" in out, out
+    assert "gpu-only(us)" in out and "bus/d2d%" in out and "sync flags" in out, out
 
 
 @pytest.mark.parametrize("extra", [[], ["--fsdp"]])

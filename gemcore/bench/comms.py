@@ -11,9 +11,10 @@ GB = 1e9 bytes, and ``busbw = algbw * factor`` with factor (n-1)/n for all_gathe
 reduce_scatter and all_to_all, 2(n-1)/n for all_reduce and 1 for broadcast. ``time`` is the mean
 over ``--iters`` calls after ``--warmup``, the slowest rank's (max over ranks).
 
-``time`` includes the host (``perf_counter`` around the calls and a final synchronisation);
-``gpu(us)`` (CUDA) is the caller's stream time per call between two CUDA events around the same
-calls. ``--api dist`` calls the collectives through torch.distributed (``dist.all_gather_into_tensor``,
+``time`` includes the host (``perf_counter`` around the calls and a final synchronisation): what
+a caller feels. ``gpu-only(us)`` (CUDA) is the GPU's time per call alone: a spacer kernel holds
+the stream while the host queues 40 calls, and two CUDA events time them once they run back to
+back (:func:`gpu_only_s`); ``time`` above it means the host's enqueue bounds the call. ``--api dist`` calls the collectives through torch.distributed (``dist.all_gather_into_tensor``,
 ``dist.reduce_scatter_tensor``, ... on the default group of the ``gemcore_<backend>`` process group),
 as training calls them; ``--api comm`` (default) calls the communicator. ``--anchor`` (CUDA) adds
 ``d2d(GB/s)``, a same-device device-to-device copy of the same size measured in the same run on one
@@ -155,25 +156,64 @@ def make_case(comm, op: str, size_bytes: int, dtype: torch.dtype, device: torch.
 
 
 def time_case(comm, case: Case, warmup: int, iters: int, device: torch.device) -> tuple[float, float]:
-    """(mean seconds per call including the host, mean GPU seconds per call on the caller's
-    stream; NaN on CPU), the slowest rank's."""
+    """(mean seconds per call including the host; on CUDA, mean GPU seconds per call with the
+    host's enqueue hidden (:func:`gpu_only_s`), NaN on CPU), the slowest rank's."""
     for _ in range(warmup):
         case.call()
     _sync(device)
     comm.barrier()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if device.type == "cuda" else []
     start = time.perf_counter()
-    if events:
-        events[0].record()
     for _ in range(iters):
         case.call()
-    if events:
-        events[1].record()
     _sync(device)
     mine = (time.perf_counter() - start) / iters
-    gpu = events[0].elapsed_time(events[1]) / 1e3 / iters if events else math.nan
+    gpu = gpu_only_s(comm, case, mine, device, min(iters, GPU_ONLY_CALLS)) if device.type == "cuda" else math.nan
     worst = host_comm(comm).all_reduce(torch.tensor([mine, gpu], dtype=torch.float64), op="max")
     return float(worst[0]), float(worst[1])
+
+
+#: calls timed by :func:`gpu_only_s` (their stream operations must fit the GPU's launch queue)
+GPU_ONLY_CALLS = 40
+
+
+def gpu_only_s(comm, case: Case, host_s: float, device: torch.device, calls: int) -> float:
+    """GPU seconds per call with the host's work hidden: every rank queues a spacer kernel that
+    outlasts its enqueue of ``calls`` calls (three times the enqueue time ``host_s`` per call
+    just measured), then the calls, between two CUDA events; the queued work then runs back to
+    back, ordered only by the GPU-side waits. NaN when the enqueue outlasted the spacer."""
+    cycles_per_s = _spacer_cycles_per_s(device)
+    spacer_s = max(3 * calls * host_s, 1e-3)
+    _sync(device)
+    comm.barrier()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    torch.cuda._sleep(int(spacer_s * cycles_per_s))
+    events[0].record()
+    start = time.perf_counter()
+    for _ in range(calls):
+        case.call()
+    enqueue_s = time.perf_counter() - start
+    events[1].record()
+    _sync(device)
+    if enqueue_s > 0.8 * spacer_s:
+        return math.nan
+    return events[0].elapsed_time(events[1]) / 1e3 / calls
+
+
+_CYCLES_PER_S: dict[int, float] = {}
+
+
+def _spacer_cycles_per_s(device: torch.device) -> float:
+    """``torch.cuda._sleep`` cycles per second on ``device`` (measured once)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CYCLES_PER_S:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        end.synchronize()
+        _CYCLES_PER_S[index] = 10_000_000 / (start.elapsed_time(end) / 1e3)
+    return _CYCLES_PER_S[index]
 
 
 def anchor_gbs(comm, nbytes: int, device: torch.device) -> float:
@@ -266,7 +306,8 @@ def measure(comm, ops: list[str], byte_sizes: list[int], dtype_name: str, device
                 row.anchor_gbs = anchor_gbs(comm, case.size_bytes, device)
                 if copied:
                     total = float(host_comm(comm).all_reduce(torch.tensor([float(copied)], dtype=torch.float64))[0])
-                    row.copies_gbs = total / (warmup + iters) / gpus / gpu_s / 1e9
+                    calls = warmup + iters + min(iters, GPU_ONLY_CALLS)  # time_case's calls
+                    row.copies_gbs = total / calls / gpus / gpu_s / 1e9
             if overlap:
                 during, cover = overlap_case(comm, case, calls_to_cover(loop_s, seconds), gemm, device)
                 row.gemm_alone_tflops, row.gemm_during_tflops, row.gemm_cover = alone, during, cover
@@ -284,12 +325,12 @@ def format_table(rows: list[Row]) -> str:
         gpu = mine[0].gpu_us is not None
         anchor = mine[0].anchor_gbs is not None
         lines.append(f"# {'size(B)':>12} {'count':>12} {'type':>9} {'time(us)':>10} "
-                     + (f"{'gpu(us)':>10} " if gpu else "") + f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11}"
+                     + (f"{'gpu-only(us)':>12} " if gpu else "") + f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11}"
                      + (f" {'d2d(GB/s)':>10} {'bus/d2d%':>8} {'copies(GB/s)':>12}" if anchor else "")
                      + (f" {'gemm alone':>10} {'gemm during':>11} {'slowdown%':>9} {'cover%':>6}" if gemm else ""))
         for r in mine:
             line = (f"  {r.size_bytes:>12} {r.count:>12} {r.dtype:>9} {r.time_us:>10.1f} "
-                    + (f"{r.gpu_us:>10.1f} " if gpu else "") + f"{r.algbw_gbs:>11.3f} {r.busbw_gbs:>11.3f}")
+                    + (f"{r.gpu_us:>12.1f} " if gpu else "") + f"{r.algbw_gbs:>11.3f} {r.busbw_gbs:>11.3f}")
             if anchor:
                 copies = f"{r.copies_gbs:>12.1f}" if r.copies_gbs is not None else f"{'-':>12}"
                 line += f" {r.anchor_gbs:>10.1f} {100 * r.busbw_gbs / r.anchor_gbs:>8.1f} {copies}"
