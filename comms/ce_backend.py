@@ -260,6 +260,7 @@ class CopyEngineCommunicator(Communicator):
         #: each rank's window slots as uint8 tensors (``[rank][slot]``), for in-place reads
         self._peer_slots: list[list[torch.Tensor]] = []
         self._views: dict[tuple, torch.Tensor] = {}  # typed views of them, by (rank, slot, offset, numel, dtype)
+        self._stream_objects: dict[int, torch.cuda.Stream] = {}  # by raw handle (_current)
         self._events: dict[str, int] = {}
         self._local = threading.local()  # this thread's event for _follow
         self._thread_events: list[int] = []
@@ -390,7 +391,15 @@ class CopyEngineCommunicator(Communicator):
     # The protocol below is written with these primitives only, so that a simulated runtime (the
     # tests' happens-before checker) can run it on CPU.
     def _current(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self.device)
+        """The caller's current stream (its Stream object kept by raw handle: building one per
+        call costs microseconds of host time on every collective)."""
+        raw = torch._C._cuda_getCurrentRawStream(self.device.index)
+        stream = self._stream_objects.get(raw)
+        if stream is None:
+            if len(self._stream_objects) >= _MAX_VIEWS:
+                self._stream_objects.clear()
+            stream = self._stream_objects[raw] = torch.cuda.current_stream(self.device)
+        return stream
 
     def _record(self, event: str, stream) -> None:
         """Record this rank's IPC event ``event`` on ``stream``."""
@@ -447,7 +456,7 @@ class CopyEngineCommunicator(Communicator):
         """``stream``'s later writes of slot ``slot`` (call ``k``) wait for every rank's reads of
         it, this rank's own included when the slot's last call ran on another stream (successive
         calls may be queued on different streams; on the same one, stream order suffices)."""
-        own_in_order = self._slot_streams[slot] is not None and self._slot_streams[slot] == stream
+        own_in_order = self._slot_streams[slot] is stream  # the same (kept) Stream object
         ranks = [r for r in range(self.world_size) if not (own_in_order and r == self.rank)]
         if self.sync == "flags":
             if k >= self._slots:  # every rank finished call k - slots
