@@ -18,11 +18,11 @@ What it serves (everything FSDP2, TP, CP, EP and pipelining call): ``all_gather_
 ``NotImplementedError`` naming the operation and the backend; nothing falls back to another
 backend. A tensor on a device the backend does not serve raises ``ValueError`` naming both.
 
-Completion: the communicator has done its part when a method returns (on CUDA: its work is
-queued on the caller's current stream). The returned ``Work`` holds an event recorded there, so
-``work.wait()`` makes the waiting stream wait for it (no host synchronisation), and
-``work.get_future()`` gives a completed future of the result: a copy-engine collective queued on
-FSDP2's all-gather stream overlaps compute exactly as NCCL's does.
+Completion: the communicator has done its part when a method returns; the returned ``Work`` wraps
+a completed :class:`torch.futures.Future`. On CUDA the future is made for the tensors' device, so
+``work.wait()`` makes the caller's current stream wait for the stream the collective was queued on
+(an event, no host synchronisation): a copy-engine collective queued on FSDP2's all-gather stream
+overlaps compute exactly as NCCL's does.
 """
 from __future__ import annotations
 
@@ -65,47 +65,14 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def _completed(result, tensors: Sequence[torch.Tensor]):
-    """The Work of a collective that is done on the host: on CUDA, queued on the tensors' devices'
-    current streams, so its ``wait()`` makes the waiting stream wait for an event recorded now."""
-    return _QueuedWork(result, tensors)
-
-
-class _QueuedWork(dist.Work):
-    """A collective already queued (CUDA) or done (CPU) when its method returns. ``wait()`` makes
-    each device's current stream wait for the event recorded at the end of the collective's work
-    (no host synchronisation); ``get_future()`` gives a completed future of the result, on those
-    devices' streams. One event record per device instead of a CUDA future per call: a
-    collective's host time is what small messages pay."""
-
-    def __init__(self, result, tensors: Sequence[torch.Tensor]) -> None:
-        super().__init__()
-        self._result = result
-        self._events = []  # (device, event)
-        for device in {t.device for t in tensors if t.is_cuda}:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(device))
-            self._events.append((device, event))
-
-    def wait(self, timeout=None) -> bool:
-        for device, event in self._events:
-            torch.cuda.current_stream(device).wait_event(event)
-        return True
-
-    def is_completed(self) -> bool:
-        return all(event.query() for _, event in self._events)
-
-    def is_success(self) -> bool:
-        return True
-
-    def result(self):
-        return self._result
-
-    def get_future(self):
-        self.wait()
-        devices = sorted((d for d, _ in self._events), key=str)
-        fut = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
-        fut.set_result(self._result)
-        return fut
+    """A Work whose future holds ``result``; on CUDA it carries an event of the current stream."""
+    devices = sorted({t.device for t in tensors if t.is_cuda}, key=str)
+    fut = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+    fut.set_result(result)
+    make = getattr(dist.distributed_c10d, "_create_work_from_future", None)
+    if make is None:
+        make = torch._C._distributed_c10d._create_work_from_future
+    return make(fut)
 
 
 class _PendingWork(dist.Work):
