@@ -178,17 +178,13 @@ def _reduce_rows(rows: list[torch.Tensor], out: torch.Tensor, op: str) -> int:
             fold(out, row, out=out)
         return w - 1
     acc = _ACCUMULATE.get(out.dtype)
-    if op == "sum" and (acc is None or w == 2):  # two 16-bit floats: one float32 add, one rounding
+    if acc is None or (op == "sum" and w == 2):  # two 16-bit floats: one float32 add, one rounding
         torch.add(rows[0], rows[1], out=out)
         for row in rows[2:]:
             out.add_(row)
-        return w - 1
-    if acc is None:  # avg of float32 / float64
-        torch.add(rows[0], rows[1], out=out)
-        for row in rows[2:]:
-            out.add_(row)
-        out.div_(w)
-        return w
+        if op == "avg":
+            out.div_(w)
+        return w if op == "avg" else w - 1
     total = rows[0].to(acc)
     for row in rows[1:]:
         total.add_(row)
