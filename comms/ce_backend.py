@@ -90,7 +90,7 @@ _MIN_WINDOW = 1 << 20
 #: reductions of inputs up to this many bytes read the peers' windows in place: one exchange (see above)
 ONE_SHOT_BYTES = 256 << 10
 _FLAG_PAGE = 4096
-_MAX_VIEWS = 256  # typed views of peers' windows kept (dropped all at once beyond)
+_MAX_CACHED = 256  # entries of the host-side caches (views, streams); all dropped at once beyond
 #: byte offsets of this rank's counters in its flag page (one per slot, a cache line apart); the probe word
 _FLAG_OFFSET = {"ready0": 0, "ready1": 128, "done0": 256, "done1": 384, "probe": 512}
 SYNC_MODES = ("flags", "event", "barrier")
@@ -170,7 +170,9 @@ def _reduce_rows(rows: list[torch.Tensor], out: torch.Tensor, op: str) -> int:
         return 1
     if out.numel() and any(row.data_ptr() == out.data_ptr() for row in rows[2:]):  # out: a row read later
         folded = torch.empty_like(out)
-        return _reduce_rows(rows, folded, op) + (out.copy_(folded) is not None)
+        kernels = _reduce_rows(rows, folded, op)
+        out.copy_(folded)
+        return kernels + 1
     if op in ("max", "min"):
         fold = torch.maximum if op == "max" else torch.minimum
         fold(rows[0], rows[1], out=out)
@@ -227,7 +229,7 @@ class CopyEngineCommunicator(Communicator):
         self.sync = sync
         self._slots = 1 if sync == "barrier" else 2
         #: the caller's stream of each slot's last call (its own reads of the slot are ordered on it)
-        self._slot_streams: list = [None] * 2
+        self._slot_streams: list = [None] * self._slots
         self._calls = 0
         self._counts = {"exchanges": 0, "copies": 0, "copied_bytes": 0, "staged_bytes": 0,
                         "reduce_kernels": 0, "reduced_bytes": 0, "window_read_bytes": 0,
@@ -374,7 +376,7 @@ class CopyEngineCommunicator(Communicator):
         key = (peer, slot, offset, numel, dtype)
         view = self._views.get(key)
         if view is None:
-            if len(self._views) >= _MAX_VIEWS:
+            if len(self._views) >= _MAX_CACHED:
                 self._views.clear()
             raw = self._peer_slots[peer][slot]
             view = self._views[key] = raw[offset:offset + numel * dtype.itemsize].view(dtype)
@@ -392,7 +394,7 @@ class CopyEngineCommunicator(Communicator):
         raw = torch._C._cuda_getCurrentRawStream(self.device.index)
         stream = self._stream_objects.get(raw)
         if stream is None:
-            if len(self._stream_objects) >= _MAX_VIEWS:
+            if len(self._stream_objects) >= _MAX_CACHED:
                 self._stream_objects.clear()
             stream = self._stream_objects[raw] = torch.cuda.current_stream(self.device)
         return stream
@@ -462,6 +464,14 @@ class CopyEngineCommunicator(Communicator):
             for rank in ranks:
                 self._wait(stream, rank, f"done{slot}")
 
+    def _wait_ready(self, stream, peer: int, slot: int, k: int) -> None:
+        """``stream`` waits for ``peer``'s *ready* of call ``k`` in slot ``slot`` (its counter, or the
+        most recent record of its event, which the host barrier of call ``k`` made this call's)."""
+        if self.sync == "flags":
+            self._wait_flag(stream, peer, f"ready{slot}", k + 1)
+        else:
+            self._wait(stream, peer, f"ready{slot}")
+
     def _exchange(self, t: torch.Tensor, window_bytes: int, pulls: list[tuple[int, int, int, int]],
                   src_ranks_stage: bool = True, read_windows=None) -> None:
         """Run one exchange (steps 1-3 of the module docstring) on the caller's current stream.
@@ -496,18 +506,12 @@ class CopyEngineCommunicator(Communicator):
             self._host_barrier()
         for peer, offset, dst, nbytes in remote:  # issued first, so they do not wait for the own copy
             stream = self._streams[peer]
-            if flags:
-                self._wait_flag(stream, peer, ready, k + 1)
-            else:
-                self._wait(stream, peer, ready)
+            self._wait_ready(stream, peer, slot, k)
             self._copy(dst, self._slot_ptr(self._peer_windows[peer], slot) + offset, nbytes, stream)
         if read_windows is not None:
             for peer in range(self.world_size):
                 if peer != self.rank:
-                    if flags:
-                        self._wait_flag(cur, peer, ready, k + 1)
-                    else:
-                        self._wait(cur, peer, ready)
+                    self._wait_ready(cur, peer, slot, k)
             read_windows(slot)
         for _, offset, dst, nbytes in [pull for pull in active if pull[0] == self.rank]:
             self._copy(dst, mine + offset, nbytes, cur)  # this rank's own chunk, on the caller's stream

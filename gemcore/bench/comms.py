@@ -14,7 +14,8 @@ over ``--iters`` calls after ``--warmup``, the slowest rank's (max over ranks).
 ``time`` includes the host (``perf_counter`` around the calls and a final synchronisation): what
 a caller feels. ``gpu-only(us)`` (CUDA) is the GPU's time per call alone: a spacer kernel holds
 the stream while the host queues 40 calls, and two CUDA events time them once they run back to
-back (:func:`gpu_only_s`); ``time`` above it means the host's enqueue bounds the call. ``--api dist`` calls the collectives through torch.distributed (``dist.all_gather_into_tensor``,
+back (:func:`gpu_only_s`); ``time`` above it means the host's enqueue bounds the call.
+``--api dist`` calls the collectives through torch.distributed (``dist.all_gather_into_tensor``,
 ``dist.reduce_scatter_tensor``, ... on the default group of the ``gemcore_<backend>`` process group),
 as training calls them; ``--api comm`` (default) calls the communicator. ``--anchor`` (CUDA) adds
 ``d2d(GB/s)``, a same-device device-to-device copy of the same size measured in the same run on one
@@ -45,6 +46,7 @@ from typing import Callable
 import torch
 
 from gemcore.bench.comms_common import GemmLoop, check_gemm_args, coverage, parse_bytes, slowdown_pct
+from gemcore.bench.timing import spacer_cycles_per_s
 from gemcore.bench.comms_dist import copy_gbs, make_dist_case, sm_free_profile
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
@@ -181,7 +183,7 @@ def gpu_only_s(comm, case: Case, host_s: float, device: torch.device, calls: int
     outlasts its enqueue of ``calls`` calls (three times the enqueue time ``host_s`` per call
     just measured), then the calls, between two CUDA events; the queued work then runs back to
     back, ordered only by the GPU-side waits. NaN when the enqueue outlasted the spacer."""
-    cycles_per_s = _spacer_cycles_per_s(device)
+    cycles_per_s = spacer_cycles_per_s(device)
     spacer_s = max(3 * calls * host_s, 1e-3)
     _sync(device)
     comm.barrier()
@@ -197,23 +199,6 @@ def gpu_only_s(comm, case: Case, host_s: float, device: torch.device, calls: int
     if enqueue_s > 0.8 * spacer_s:
         return math.nan
     return events[0].elapsed_time(events[1]) / 1e3 / calls
-
-
-_CYCLES_PER_S: dict[int, float] = {}
-
-
-def _spacer_cycles_per_s(device: torch.device) -> float:
-    """``torch.cuda._sleep`` cycles per second on ``device`` (measured once)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CYCLES_PER_S:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1_000_000)
-        start.record()
-        torch.cuda._sleep(10_000_000)
-        end.record()
-        end.synchronize()
-        _CYCLES_PER_S[index] = 10_000_000 / (start.elapsed_time(end) / 1e3)
-    return _CYCLES_PER_S[index]
 
 
 def anchor_gbs(comm, nbytes: int, device: torch.device) -> float:

@@ -48,6 +48,24 @@ def median_ms(fn: Callable[[], object], iters: int | None = None, *, warmup: int
     return statistics.median(times)
 
 
+_CYCLES_PER_S: dict[int, float] = {}
+
+
+def spacer_cycles_per_s(device: torch.device) -> float:
+    """``torch.cuda._sleep`` cycles per second on ``device`` (measured once), to size a spacer
+    that must outlast a given host time."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CYCLES_PER_S:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        end.synchronize()
+        _CYCLES_PER_S[index] = 10_000_000 / (start.elapsed_time(end) / 1e3)
+    return _CYCLES_PER_S[index]
+
+
 def linear_fwd_bwd(module, x, dy) -> Callable[[], None]:
     """One forward + backward of ``module`` on ``x`` (tokens, in) under bf16 autocast, with output
     gradient ``dy`` (tokens, out): the step the linear-layer benchmarks time."""
