@@ -7,8 +7,8 @@ bit against it (on CPU under ``TRITON_INTERPRET=1``), the GEMM against float64.
   is one 128x128 block (weights); else each row of the tile is a 1x128 block (``ROWS``) and each
   column a 128x1 block (``COLS``, written transposed: what the wgrad GEMM multiplies along tokens).
   Scales are integer arithmetic on the amax's float32 bits (as in :mod:`mx_triton`); elements are
-  rounded by the hardware conversion on a GPU or in software under the interpreter (whose own FP8
-  casts do not round to nearest even). Loads past (R, C) read zeros: the outputs are padded to
+  one flushing multiply and the hardware conversion on a GPU, or rounded in software under the
+  interpreter (whose own FP8 casts do not round to nearest even, and which runs no inline PTX). Loads past (R, C) read zeros: the outputs are padded to
   whole blocks.
 * ``_fp8_block_mm``: C = A @ B^T, A (M, K) in 1x128 blocks, B (N, K) in 1x128 or 128x128 blocks
   (``B_ROWS``), K a multiple of 128. Per 128-wide K block: one FP8 MMA started from zero, then the
@@ -48,9 +48,35 @@ def _scale_value(byte):
 
 
 @triton.jit
-def _e4m3(x, inv, is_nan, SOFT_ROUND: tl.constexpr):
-    """float32 x times 2^-E -> E4M3 bytes (uint8), nearest even."""
-    return _encode(x, inv, is_nan, 3, -6, 7, 448.0, 512.0, SOFT_ROUND, tl.float8e4nv)
+def _mul_ftz(x, inv):
+    """float32 x * inv with float32 subnormal inputs flushed to zero of the same sign (PTX
+    ``mul.rn.ftz.f32``): the flush of the reference at no extra instruction."""
+    return tl.inline_asm_elementwise("mul.rn.ftz.f32 $0, $1, $2;", "=r,r,r", [x, inv],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _e4m3(x, byte, SOFT_ROUND: tl.constexpr):
+    """x (bf16 or float32) of blocks with scale bytes ``byte`` (broadcastable) ->
+    E4M3 bytes (uint8), nearest even; subnormal x and NaN/Inf blocks as the reference has them.
+    On a GPU: one flushing multiply by 2^-E (|x| * 2^-E <= 448 by the scale's choice, so nothing
+    clamps) and the hardware conversion; NaN blocks multiply by NaN."""
+    x = x.to(tl.float32)
+    if SOFT_ROUND:
+        x = tl.where((x.to(tl.int32, bitcast=True) & 0x7FFFFFFF) < 0x800000, x * 0.0, x)
+        return _encode(x, _inv_scale(byte), byte == 255, 3, -6, 7, 448.0, 512.0, True, tl.float8e4nv)
+    inv = tl.where(byte == 255, float("nan"), _inv_scale(byte))
+    return _mul_ftz(x, inv).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def _amax_bits(bits, axis: tl.constexpr, B16: tl.constexpr):
+    """Largest magnitude's float32 bits (int32) along ``axis`` of ``bits`` (|x|'s bits: int16 of
+    bf16 when ``B16``), 0 where it is a float32 subnormal (read as zero)."""
+    amax = tl.max(bits, axis=axis)
+    if B16:
+        amax = amax.to(tl.int32) << 16
+    return tl.where(amax < 0x800000, 0, amax)
 
 
 # --------------------------------------------------------------------------- cast
@@ -58,25 +84,28 @@ def _e4m3(x, inv, is_nan, SOFT_ROUND: tl.constexpr):
 def _fp8_block_cast(x_ptr, rdata_ptr, rscale_ptr, cdata_ptr, cscale_ptr, R, C, R_PAD, C_PAD,
                     stride_xr, stride_xc, stride_rsr, stride_rsc, stride_csr, stride_csc,
                     ROWS: tl.constexpr, COLS: tl.constexpr, SQUARE: tl.constexpr,
-                    BLOCK_R: tl.constexpr, SOFT_ROUND: tl.constexpr):
+                    BLOCK_R: tl.constexpr, SOFT_ROUND: tl.constexpr, B16: tl.constexpr):
     """x (R, C) -> padded (R_PAD, C_PAD) outputs. ROWS: rdata (R_PAD, C_PAD), rscale[r, cb].
     COLS: cdata (C_PAD, R_PAD) = the transposed elements, cscale[c, rb]. SQUARE: rdata and (with
     COLS) its transpose cdata share the block's scale rscale[rb, cb]. Scale strides are given, so
-    the caller picks their layout."""
+    the caller picks their layout. ``B16``: x is bf16, kept 16-bit in registers (its magnitudes'
+    int16 bits give the amax), which halves the registers a 128x128 tile holds."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     r = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     c = (pid_c * 128 + tl.arange(0, 128)).to(tl.int64)
     x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :] * stride_xc,
-                mask=(r[:, None] < R) & (c[None, :] < C), other=0.0).to(tl.float32)
-    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    x = tl.where(bits < 0x800000, x * 0.0, x)  # float32 subnormals read as (signed) zero
-    bits = tl.where(bits < 0x800000, 0, bits)
+                mask=(r[:, None] < R) & (c[None, :] < C), other=0.0)
+    if B16:
+        bits = x.to(tl.int16, bitcast=True) & 0x7FFF
+    else:
+        x = x.to(tl.float32)
+        bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     row_ok = r[:, None] < R_PAD
     if SQUARE:
-        block_amax = tl.max(tl.max(bits, axis=1), axis=0)
+        block_amax = tl.max(_amax_bits(bits, 1, B16), axis=0)
         byte = _block_byte(block_amax)
-        q = _e4m3(x, _inv_scale(byte), byte == 255, SOFT_ROUND)
+        q = _e4m3(x, byte, SOFT_ROUND)
         tl.store(rdata_ptr + r[:, None] * C_PAD + c[None, :], q)
         if COLS:
             # The transposed copy is encoded again, from a per-column byte vector (each column's
@@ -84,26 +113,29 @@ def _fp8_block_cast(x_ptr, rdata_ptr, rscale_ptr, cdata_ptr, cscale_ptr, R, C, R
             # of its own, built as the COLS branch below builds it. Stored from the same 1-byte
             # tile as the row-major copy, the transposed store came out corrupted on an H100
             # (triton 3.6), while each copy alone is right; compare triton-lang/triton#11111.
-            byte_c = _block_byte(tl.maximum(tl.max(bits, axis=0), block_amax))  # (128,)
-            q_t = _e4m3(x, _inv_scale(byte_c)[None, :], (byte_c == 255)[None, :], SOFT_ROUND)
+            byte_c = _block_byte(tl.maximum(_amax_bits(bits, 0, B16), block_amax))  # (128,)
+            q_t = _e4m3(x, byte_c[None, :], SOFT_ROUND)
             tl.store(cdata_ptr + c[None, :] * R_PAD + r[:, None], q_t)
         tl.store(rscale_ptr + pid_r * stride_rsr + pid_c * stride_rsc, _scale_value(byte))
     else:
         if ROWS:
-            byte = _block_byte(tl.max(bits, axis=1))  # (BLOCK_R,)
-            q = _e4m3(x, _inv_scale(byte)[:, None], (byte == 255)[:, None], SOFT_ROUND)
+            byte = _block_byte(_amax_bits(bits, 1, B16))  # (BLOCK_R,)
+            q = _e4m3(x, byte[:, None], SOFT_ROUND)
             tl.store(rdata_ptr + r[:, None] * C_PAD + c[None, :], q, mask=row_ok)
             tl.store(rscale_ptr + r * stride_rsr + pid_c * stride_rsc, _scale_value(byte), mask=r < R_PAD)
         if COLS:  # BLOCK_R == 128: each column of the tile is one block
-            byte = _block_byte(tl.max(bits, axis=0))  # (128,)
-            q = _e4m3(x, _inv_scale(byte)[None, :], (byte == 255)[None, :], SOFT_ROUND)
+            byte = _block_byte(_amax_bits(bits, 0, B16))  # (128,)
+            q = _e4m3(x, byte[None, :], SOFT_ROUND)
             tl.store(cdata_ptr + c[None, :] * R_PAD + r[:, None], q)
             tl.store(cscale_ptr + c * stride_csr + pid_r * stride_csc, _scale_value(byte))
 
 
-#: rows-only casts take 32-row tiles (more programs); anything with 128x1 or 128x128 blocks needs 128
+#: rows-only casts take 32-row tiles (more programs); 128x1 blocks need 128 rows, and with 4 warps
+#: a bf16 128x128 tile runs at about 80 % of the copy limit on an H100 (8 warps: 63 %); the weight
+#: cast keeps 8 warps (its transposed-store workaround was verified with them)
 ROWS_TILE = dict(BLOCK_R=32, num_warps=4)
-FULL_TILE = dict(BLOCK_R=128, num_warps=8)
+FULL_TILE = dict(BLOCK_R=128, num_warps=4)
+SQUARE_TILE = dict(BLOCK_R=128, num_warps=8)
 
 
 def cast_triton(x: torch.Tensor, r_pad: int, c_pad: int, *, rows: bool, cols: bool, square: bool,
@@ -120,7 +152,7 @@ def cast_triton(x: torch.Tensor, r_pad: int, c_pad: int, *, rows: bool, cols: bo
     cdata = torch.empty((c_pad, r_pad), dtype=torch.float8_e4m3fn, device=dev) if cols else None
     if r_pad == 0 or c_pad == 0:
         return rdata, cdata
-    tile = ROWS_TILE if (rows and not cols and not square) else FULL_TILE
+    tile = SQUARE_TILE if square else ROWS_TILE if not cols else FULL_TILE
     grid = (triton.cdiv(r_pad, tile["BLOCK_R"]), c_pad // BLOCK)
     dummy = torch.empty(1, dtype=torch.float32, device=dev)
     rs = rscale if rscale is not None else dummy
@@ -131,7 +163,7 @@ def cast_triton(x: torch.Tensor, r_pad: int, c_pad: int, *, rows: bool, cols: bo
     cd = cdata.view(torch.uint8) if cdata is not None else dummy
     _fp8_block_cast[grid](x, rd, rs, cd, cs, x.shape[0], x.shape[1], r_pad, c_pad, *x.stride(),
                           *rs_strides, *cs_strides, ROWS=rows, COLS=cols, SQUARE=square,
-                          SOFT_ROUND=soft_round, **tile)
+                          SOFT_ROUND=soft_round, B16=x.dtype == torch.bfloat16, **tile)
     return rdata, cdata
 
 

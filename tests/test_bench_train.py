@@ -57,6 +57,34 @@ def test_fp8_configuration_is_built_with_the_fp8_block_policy():
     assert train._bf16_twin("fp8+compile") == "bf16+compile" and train._bf16_twin("fp8") == "bf16"
 
 
+@pytest.mark.parametrize("scope", ["block", "dense"])
+def test_compile_scope_picks_what_is_compiled(scope):
+    """+compile wraps each block whole (block) or its MLP and norms (dense); nothing else."""
+    from gemcore.bench import train
+    from gemcore.plugin_manager import create_plugin_manager
+
+    cfg = ModelConfig(hidden=32, num_heads=2, num_blocks=2, num_items=40)
+    _, gem, _, _ = train.build("bf16+compile", cfg, create_plugin_manager(), torch.device("cpu"), 0,
+                               compile_scope=scope)
+    compiled = torch._dynamo.eval_frame.OptimizedModule
+    for block in gem.blocks:
+        assert isinstance(block, compiled) is (scope == "block")
+        inner = block._orig_mod if scope == "block" else block
+        assert isinstance(inner.mlp, compiled) is (scope == "dense")
+        assert not isinstance(inner.qkv, compiled)
+    _, plain, _, _ = train.build("bf16", cfg, create_plugin_manager(), torch.device("cpu"), 0, compile_scope=scope)
+    assert not any(isinstance(m, compiled) for m in plain.modules())
+
+
+def test_compile_scope_is_checked():
+    from gemcore.bench import train
+    from gemcore.plugin_manager import create_plugin_manager
+
+    cfg = ModelConfig(hidden=32, num_heads=2, num_blocks=1, num_items=40)
+    with pytest.raises(ValueError, match="compile_scope must be one of"):
+        train.build("bf16+compile", cfg, create_plugin_manager(), torch.device("cpu"), 0, compile_scope="model")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (counts CUDA host synchronisations)")
 def test_sync_count_sees_a_blocking_read_and_not_the_profiler():

@@ -326,6 +326,26 @@ def test_torch_compile_without_graph_breaks():
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
+
+def test_torch_compile_keeps_max_seqlen_symbolic():
+    """A compiled caller that passes each batch's longest length (as the model does) is compiled
+    once, not once per length."""
+    from torch._dynamo.testing import CompileCounter
+
+    offsets = _offsets([30, 0, 70])
+    dtype = torch.float32 if INTERPRET else torch.bfloat16
+    q, k, v = (torch.randn(100, 2, 32, device=DEVICE, dtype=dtype) for _ in range(3))
+
+    def f(q, k, v, max_seqlen):
+        return jagged_attention(q, k, v, offsets, causal=True, max_seqlen=max_seqlen, backend="triton",
+                                validate=False)
+
+    counter = CompileCounter()
+    compiled = torch.compile(f, backend=counter, dynamic=True, fullgraph=True)
+    for longest in (70, 75, 90):
+        torch.testing.assert_close(compiled(q, k, v, longest), f(q, k, v, longest))
+    assert counter.frame_count == 1
+
 # --------------------------------------------------------------------------- persistent work lists
 @settings(max_examples=25, deadline=None)
 @given(lengths=st.lists(st.one_of(st.sampled_from([0, 1, 127, 128, 129, 256]), st.integers(0, 1500)), max_size=40),

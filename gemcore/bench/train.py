@@ -5,7 +5,9 @@
 Peers: ``padded`` (SDPA on zero-padded batches), ``varlen`` (torch's ``varlen_attn``, plain causal:
 candidates also see earlier candidates) and ``flex`` (compiled FlexAttention with the exact
 target-aware mask), each in the same model through the attention hook. All configurations run
-softmax attention; ``+compile`` compiles the model's dense parts (MLP, norms) in any of them.
+softmax attention; ``+compile`` compiles, in any of them, each transformer block whole
+(``--compile-scope block``, the default: the attention is an opaque custom op inside the graph) or
+only its dense parts (``--compile-scope dense``: MLP and norms).
 
 Every configuration trains the same GEM-style model (same initial weights) on the same synthetic
 data for the same number of steps. Reported per configuration: tokens/s (real tokens), samples/s,
@@ -38,6 +40,8 @@ CONFIGS = ("padded", "bf16", "mxfp8", "fp8", "bf16+compile", "mxfp8+compile", "f
 PRECISIONS = {"mxfp8": "mxfp8", "fp8": "fp8_block"}
 #: configurations whose attention is a torch-native peer (attention impl = the name before "+")
 PEERS = ("varlen", "flex")
+#: what ``+compile`` compiles: each block whole (attention inside the graph) or its MLP and norms
+COMPILE_SCOPES = ("block", "dense")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
     p.add_argument("--fp8-matmul", default="auto", choices=MATMUL_BACKENDS,
                    help="the fp8 configurations' GEMM backend (precision.fp8_matmul)")
+    p.add_argument("--compile-scope", default="block", choices=COMPILE_SCOPES,
+                   help="what +compile compiles: each block whole, or its MLP and norms only")
     p.add_argument("--no-local-mfu", action="store_true")
     p.add_argument("--json", action="store_true")
 
@@ -86,10 +92,14 @@ def _batches(data, users: int, steps: int, order: str, seed: int, manager):
     return [next(it) for _ in range(steps)], name
 
 
-def build(config: str, model_cfg: ModelConfig, manager, device, seed: int, fp8_matmul: str = "auto"):
+def build(config: str, model_cfg: ModelConfig, manager, device, seed: int, fp8_matmul: str = "auto",
+          compile_scope: str = "block"):
     """(model-like object with .loss(batch) and .parameters(), the GemModel inside, description).
 
-    ``fp8_matmul`` is the ``fp8`` configurations' GEMM backend (``precision.fp8_matmul``)."""
+    ``fp8_matmul`` is the ``fp8`` configurations' GEMM backend (``precision.fp8_matmul``);
+    ``compile_scope`` what ``+compile`` compiles (:data:`COMPILE_SCOPES`)."""
+    if compile_scope not in COMPILE_SCOPES:
+        raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {compile_scope!r}")
     torch.manual_seed(seed)
     peer = config.split("+")[0]
     if peer in PEERS:
@@ -107,8 +117,11 @@ def build(config: str, model_cfg: ModelConfig, manager, device, seed: int, fp8_m
 
         return PaddedGemModel(model.to(device)), model, policy, "padded SDPA + bf16 autocast + random"
     model = policy.apply(model).to(device)
-    if config.endswith("+compile"):
-        for block in model.blocks:  # the dense parts; jagged attention stays a kernel call
+    if config.endswith("+compile") and compile_scope == "block":
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block, dynamic=True)
+    elif config.endswith("+compile"):
+        for block in model.blocks:  # the dense parts; the attention runs eagerly between them
             block.mlp = torch.compile(block.mlp, dynamic=True)
             block.attn_norm = torch.compile(block.attn_norm, dynamic=True)
             block.mlp_norm = torch.compile(block.mlp_norm, dynamic=True)
@@ -116,8 +129,8 @@ def build(config: str, model_cfg: ModelConfig, manager, device, seed: int, fp8_m
 
 
 def train_config(config, model_cfg, data, heldout, steps_idx, warmup, device, manager, seed,
-                 fp8_matmul: str = "auto") -> Result:
-    runner, gem, policy, _ = build(config, model_cfg, manager, device, seed, fp8_matmul)
+                 fp8_matmul: str = "auto", compile_scope: str = "block") -> Result:
+    runner, gem, policy, _ = build(config, model_cfg, manager, device, seed, fp8_matmul, compile_scope)
     opt = torch.optim.AdamW(runner.parameters(), lr=1e-3, fused=device.type == "cuda")
     batches = [data.__getitems__(idx).to(device) for idx in steps_idx]
     peak = peak_flops(device)
@@ -251,7 +264,8 @@ def run(args: argparse.Namespace) -> int:
         steps_idx, order_used[config] = _batches(data, args.users, total_steps, order, 0, manager)
         try:
             results.append(train_config(config, model_cfg, data, heldout, steps_idx, args.warmup, device,
-                                        manager, seed=0, fp8_matmul=args.fp8_matmul))
+                                        manager, seed=0, fp8_matmul=args.fp8_matmul,
+                                        compile_scope=args.compile_scope))
         except Exception as exc:  # noqa: BLE001 - one failing configuration is reported, not fatal
             results.append(Result(config, error=f"{type(exc).__name__}: {str(exc)[:200]}"))
             if device.type == "cuda":
