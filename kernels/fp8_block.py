@@ -484,6 +484,8 @@ class FP8BlockLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.fp8_config = FP8BlockConfig(**options)
 
+        self._learn_device()
+
     @classmethod
     def from_linear(cls, linear: nn.Linear, **options) -> "FP8BlockLinear":
         """An FP8BlockLinear sharing ``linear``'s parameters (no copy; optimizer state stays valid)."""
@@ -492,7 +494,22 @@ class FP8BlockLinear(nn.Linear):
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight, new.bias = linear.weight, linear.bias
         new.fp8_config = FP8BlockConfig(**options)
+        new._learn_device()
         return new
+
+    def _apply(self, fn, *args, **kwargs):
+        module = super()._apply(fn, *args, **kwargs)
+        self._learn_device()
+        return module
+
+    def _learn_device(self) -> None:
+        """Ask the weight's CUDA device, eagerly, what the GEMM backends need to know (compute
+        capability, cuBLAS's scale layout): cached, so torch.compile later reads the answers
+        instead of breaking its graph at the probe."""
+        weight = getattr(self, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.is_cuda:
+            _capability(weight.device)
+            _cublas_takes_padded_scales(weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:

@@ -256,3 +256,25 @@ def test_plugin_trains_on_gpu_through_fast_path():
             opt.step()
             losses.append(loss.item())
         assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], (backend, losses)
+
+
+@pytest.mark.skipif(not CUDA, reason="torch.compile of the cuBLAS path on a GPU")
+@pytest.mark.parametrize("backend", [b for b in FAST if b != "triton"])
+def test_fast_linear_compiles_as_one_graph(backend):
+    """A layer moved to the GPU and then compiled whole (fullgraph: a graph break raises) computes
+    what it computes eagerly: the device probes ran when it moved, not inside the graph."""
+    torch.manual_seed(0)
+    layer = fb.FP8BlockLinear(256, 384, matmul=backend).cuda()
+    x = torch.randn(300, 256, device="cuda", requires_grad=True)
+
+    def step(module):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = torch.nn.functional.silu(module(x))
+        y.float().square().sum().backward()
+        return y.detach(), x.grad.clone(), layer.weight.grad.clone()
+
+    want = step(layer)
+    x.grad = layer.weight.grad = layer.bias.grad = None
+    got = step(torch.compile(layer, fullgraph=True, dynamic=True))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-2, atol=1e-2)
