@@ -37,18 +37,23 @@ def test_the_gemm_compiles_to_fp8_mma(arch, b_rows):
         assert "mma.sync" in ptx and "e4m3" in ptx, "no FP8 mma in the PTX"
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("mode", ["rows", "rows+cols", "square", "square+transpose"])
-def test_the_cast_compiles(mode):
-    from gemcore.kernels.fp8_block_triton import FULL_TILE, ROWS_TILE, _fp8_block_cast
+def test_the_cast_compiles(mode, dtype):
+    """Each mode compiles for sm_90 with the hardware conversion and the flushing multiply, from
+    bf16 (16-bit tiles) and from float32."""
+    from gemcore.kernels.fp8_block_triton import FULL_TILE, ROWS_TILE, SQUARE_TILE, _fp8_block_cast
 
     rows, cols, square = mode.startswith("rows"), mode.endswith("cols") or mode.endswith("transpose"), \
         mode.startswith("square")
-    tile = ROWS_TILE if mode == "rows" else FULL_TILE
+    tile = ROWS_TILE if mode == "rows" else SQUARE_TILE if square else FULL_TILE
     ints = ["R", "C", "R_PAD", "C_PAD", "stride_xr", "stride_xc", "stride_rsr", "stride_rsc", "stride_csr",
             "stride_csc"]
-    signature = {"x_ptr": "*bf16", "rdata_ptr": "*u8", "rscale_ptr": "*fp32", "cdata_ptr": "*u8",
+    signature = {"x_ptr": f"*{dtype}", "rdata_ptr": "*u8", "rscale_ptr": "*fp32", "cdata_ptr": "*u8",
                  "cscale_ptr": "*fp32", **{n: "i32" for n in ints},
-                 **{n: "constexpr" for n in ("ROWS", "COLS", "SQUARE", "BLOCK_R", "SOFT_ROUND")}}
-    constexprs = {"ROWS": rows, "COLS": cols, "SQUARE": square, "BLOCK_R": tile["BLOCK_R"], "SOFT_ROUND": False}
+                 **{n: "constexpr" for n in ("ROWS", "COLS", "SQUARE", "BLOCK_R", "SOFT_ROUND", "B16")}}
+    constexprs = {"ROWS": rows, "COLS": cols, "SQUARE": square, "BLOCK_R": tile["BLOCK_R"], "SOFT_ROUND": False,
+                  "B16": dtype == "bf16"}
     kernel = _compile(_fp8_block_cast, signature, constexprs, 90, tile["num_warps"])
-    assert "cvt.rn.satfinite.e4m3x2.f32" in kernel.asm["ptx"]
+    ptx = kernel.asm["ptx"]
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "mul.rn.ftz.f32" in ptx
