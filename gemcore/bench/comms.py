@@ -46,7 +46,7 @@ from typing import Callable
 import torch
 
 from gemcore.bench.comms_common import GemmLoop, check_gemm_args, coverage, parse_bytes, slowdown_pct
-from gemcore.bench.timing import spacer_cycles_per_s
+from gemcore.bench.timing import queued_gpu_ms
 from gemcore.bench.comms_dist import copy_gbs, make_dist_case, sm_free_profile
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
@@ -179,26 +179,11 @@ GPU_ONLY_CALLS = 40
 
 
 def gpu_only_s(comm, case: Case, host_s: float, device: torch.device, calls: int) -> float:
-    """GPU seconds per call with the host's work hidden: every rank queues a spacer kernel that
-    outlasts its enqueue of ``calls`` calls (three times the enqueue time ``host_s`` per call
-    just measured), then the calls, between two CUDA events; the queued work then runs back to
-    back, ordered only by the GPU-side waits. NaN when the enqueue outlasted the spacer."""
-    cycles_per_s = spacer_cycles_per_s(device)
-    spacer_s = max(3 * calls * host_s, 1e-3)
-    _sync(device)
-    comm.barrier()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    torch.cuda._sleep(int(spacer_s * cycles_per_s))
-    events[0].record()
-    start = time.perf_counter()
-    for _ in range(calls):
-        case.call()
-    enqueue_s = time.perf_counter() - start
-    events[1].record()
-    _sync(device)
-    if enqueue_s > 0.8 * spacer_s:
-        return math.nan
-    return events[0].elapsed_time(events[1]) / 1e3 / calls
+    """GPU seconds per call with the host's work hidden (:func:`timing.queued_gpu_ms`): every
+    rank, after a barrier, queues a spacer kernel that outlasts its enqueue of ``calls`` calls,
+    then the calls; the queued work then runs back to back, ordered only by the GPU-side waits.
+    NaN when the enqueue outlasted the spacer."""
+    return queued_gpu_ms(case.call, calls, 1e3 * host_s, before=comm.barrier) / 1e3
 
 
 def anchor_gbs(comm, nbytes: int, device: torch.device) -> float:

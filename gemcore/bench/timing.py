@@ -2,7 +2,9 @@
 (the method of the anchor figures in docs/benchmarks.md)."""
 from __future__ import annotations
 
+import math
 import statistics
+import time
 from typing import Callable
 
 import torch
@@ -74,3 +76,30 @@ def linear_fwd_bwd(module, x, dy) -> Callable[[], None]:
             y = module(x)
         y.backward(dy)
     return step
+
+
+def queued_gpu_ms(fn: Callable[[], object], calls: int, host_ms: float, *,
+                  before: Callable[[], object] | None = None) -> float:
+    """GPU milliseconds per call of ``fn`` with the host's enqueue hidden: a spacer kernel that
+    outlasts the enqueue of ``calls`` calls (three times ``host_ms`` per call, at least 1 ms),
+    then the calls between two CUDA events, so that they run back to back on the GPU. ``before``
+    runs after the device is idle, just before the spacer (a barrier of every rank, for
+    collectives). NaN when the enqueue outlasted the spacer."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    spacer_s = max(3 * calls * host_ms / 1e3, 1e-3)
+    torch.cuda.synchronize()
+    if before is not None:
+        before()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(int(spacer_s * spacer_cycles_per_s(device)))
+    start.record()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    enqueue_s = time.perf_counter() - t0
+    end.record()
+    torch.cuda.synchronize()
+    if enqueue_s > 0.8 * spacer_s:
+        return math.nan
+    return start.elapsed_time(end) / calls
+

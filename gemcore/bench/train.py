@@ -29,6 +29,7 @@ from gemcore.config import AttentionConfig, ModelConfig, PrecisionConfig
 from gemcore.data import make_synthetic
 from gemcore.data.workloads import WORKLOAD_MAX_LEN
 from gemcore.kernels.fp8_block import MATMUL_BACKENDS
+from gemcore.bench.timing import queued_gpu_ms
 from gemcore.metrics import peak_flops
 from gemcore.model import GemModel
 from gemcore.plugin_manager import create_plugin_manager
@@ -193,7 +194,9 @@ def count_syncs(step, batches, device) -> float | None:
 
 
 def local_mfu(gem: GemModel, policy, batch, device, reps: int = 5) -> list[dict]:
-    """GEM's local MFU: each layer type alone, forward + backward, on this batch's shapes."""
+    """GEM's local MFU: each layer type alone, forward + backward, on this batch's shapes; timed
+    back to back (host launch work included: what a layer costs when the host is the limit) and,
+    on CUDA, on the GPU alone (:func:`timing.queued_gpu_ms`)."""
     with torch.no_grad():
         x, seq_offsets, _, _ = gem.embed(batch)
     x = x.requires_grad_(True)
@@ -201,10 +204,13 @@ def local_mfu(gem: GemModel, policy, batch, device, reps: int = 5) -> list[dict]
     block = gem.blocks[0]
     H = block.num_heads
     nt = batch.cand_offsets.diff()
-    qkv = torch.randn(T, 3, H, hidden // H, device=device, dtype=torch.bfloat16, requires_grad=True)
+    # q, k and v as three tensors: the kernel's work alone (in the model they are views of the
+    # qkv projection, whose gradient assembly belongs to the projection's backward)
+    q, k, v = (torch.randn(T, H, hidden // H, device=device, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
     ratio = gem.cfg.mlp_ratio
     parts = {
-        "attention (jagged kernel)": (lambda: block.attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], seq_offsets, causal=True,
+        "attention (jagged kernel)": (lambda: block.attention(q, k, v, seq_offsets, causal=True,
                                                               num_targets=nt, max_seqlen=batch.max_len),
                                       3 * 2.0 * batch.sum_sq_len * hidden),
         "qkv + out projections": (lambda: block.out(block.qkv(x)[:, :hidden]), 6.0 * T * 4 * hidden * hidden),
@@ -214,10 +220,16 @@ def local_mfu(gem: GemModel, policy, batch, device, reps: int = 5) -> list[dict]
     rows = []
     peak = peak_flops(device)
     for name, (fn, flops) in parts.items():
+        grads = {}
+
         def run_once():
+            for t in (x, q, k, v, *block.parameters()):
+                t.grad = None
             with policy.autocast(device.type):
                 out = fn()
-            out.float().sum().backward()
+            if out.shape not in grads:
+                grads[out.shape] = torch.ones_like(out)
+            out.backward(grads[out.shape])
         for _ in range(2):
             run_once()
         _sync(device)
@@ -226,10 +238,13 @@ def local_mfu(gem: GemModel, policy, batch, device, reps: int = 5) -> list[dict]
             run_once()
         _sync(device)
         ms = 1e3 * (time.perf_counter() - t0) / reps
+        gpu_ms = queued_gpu_ms(run_once, reps, ms) if device.type == "cuda" else None
         rows.append({"layer": name, "ms_per_block": ms,
                      "ms_per_step": ms * len(gem.blocks),
                      "tflops": flops / ms / 1e9 if flops else None,
-                     "local_mfu": (flops / (ms / 1e3) / peak) if (flops and peak) else None})
+                     "local_mfu": (flops / (ms / 1e3) / peak) if (flops and peak) else None,
+                     "gpu_ms_per_block": gpu_ms,
+                     "gpu_tflops": flops / gpu_ms / 1e9 if (flops and gpu_ms) else None})
     return rows
 
 
@@ -316,10 +331,12 @@ def run(args: argparse.Namespace) -> int:
               f"{r['step_ms']:8.1f} {r['peak_mem_gb']:7.1f} {r['heldout_loss']:8.4f} {dl:>7s} {sp:>6s} {bp:>6s} "
               f"{xb:>6s} {sy:>6s}")
     if local:
-        print("local MFU (bf16, one block's layer alone, fwd+bwd):")
+        print("local MFU (bf16, one block's layer alone, fwd+bwd; calls back to back, and on the GPU alone):")
         for row in local:
             tf = f"{row['tflops']:.0f} TFLOP/s" if row["tflops"] else ""
             lm = f"{100 * row['local_mfu']:.1f}%" if row["local_mfu"] else ""
             share = f"{100 * row['share_of_step']:.0f}% of step" if row.get("share_of_step") else ""
-            print(f"  {row['layer']:28s} {row['ms_per_step']:8.2f} ms/step {tf:>14s} {lm:>7s} {share:>13s}")
+            gpu = (f"GPU alone {row['gpu_ms_per_block']:.3f} ms" + (f" = {row['gpu_tflops']:.0f} TFLOP/s"
+                   if row["gpu_tflops"] else "")) if row.get("gpu_ms_per_block") else ""
+            print(f"  {row['layer']:28s} {row['ms_per_step']:8.2f} ms/step {tf:>14s} {lm:>7s} {share:>13s}  {gpu}")
     return 0
