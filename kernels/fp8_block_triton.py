@@ -8,8 +8,8 @@ bit against it (on CPU under ``TRITON_INTERPRET=1``), the GEMM against float64.
   column a 128x1 block (``COLS``, written transposed: what the wgrad GEMM multiplies along tokens).
   Scales are integer arithmetic on the amax's float32 bits (as in :mod:`mx_triton`); elements are
   one flushing multiply and the hardware conversion on a GPU, or rounded in software under the
-  interpreter (whose own FP8 casts do not round to nearest even, and which runs no inline PTX). Loads past (R, C) read zeros: the outputs are padded to
-  whole blocks.
+  interpreter (whose own FP8 casts do not round to nearest even, and which runs no inline PTX).
+  Loads past (R, C) read zeros: the outputs are padded to whole blocks.
 * ``_fp8_block_mm``: C = A @ B^T, A (M, K) in 1x128 blocks, B (N, K) in 1x128 or 128x128 blocks
   (``B_ROWS``), K a multiple of 128. Per 128-wide K block: one FP8 MMA started from zero, then the
   partial sum times both scales added to the float32 accumulator (DeepSeek-V3's promotion).
@@ -131,8 +131,8 @@ def _fp8_block_cast(x_ptr, rdata_ptr, rscale_ptr, cdata_ptr, cscale_ptr, R, C, R
 
 
 #: rows-only casts take 32-row tiles (more programs); 128x1 blocks need 128 rows, and with 4 warps
-#: a bf16 128x128 tile runs at about 80 % of the copy limit on an H100 (8 warps: 63 %); the weight
-#: cast keeps 8 warps (its transposed-store workaround was verified with them)
+#: a bf16 128x128 tile runs at 76-81 % of the copy limit on an H100 (8 warps: 64 %); the
+#: weight cast keeps 8 warps (its transposed-store workaround was verified with them)
 ROWS_TILE = dict(BLOCK_R=32, num_warps=4)
 FULL_TILE = dict(BLOCK_R=128, num_warps=4)
 SQUARE_TILE = dict(BLOCK_R=128, num_warps=8)
