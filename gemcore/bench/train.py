@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
+from gemcore.bench.timing import queued_gpu_ms
 from gemcore.config import AttentionConfig, ModelConfig, PrecisionConfig
 from gemcore.data import make_synthetic
 from gemcore.data.workloads import WORKLOAD_MAX_LEN
 from gemcore.kernels.fp8_block import MATMUL_BACKENDS
-from gemcore.bench.timing import queued_gpu_ms
 from gemcore.metrics import peak_flops
 from gemcore.model import GemModel
 from gemcore.plugin_manager import create_plugin_manager
