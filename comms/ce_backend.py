@@ -533,11 +533,16 @@ class CopyEngineCommunicator(Communicator):
         """Whether a collective on ``t`` takes the hierarchical path (CUDA, several nodes)."""
         return t.is_cuda and not self.intra_node
 
-    def _make_intra(self, sub: Communicator) -> Communicator:
-        """The copy-engine communicator of this node's ranks (``sub``: the delegate's)."""
-        return CopyEngineCommunicator(timeout_s=self.timeout_s, check=False, delegate=sub,
+    def _child(self, sub: Communicator, check: bool) -> "CopyEngineCommunicator":
+        """A ce communicator over the delegate's sub-communicator ``sub``, with this one's settings
+        (sync mode, one-shot size, timeout) and a window of its own."""
+        return CopyEngineCommunicator(timeout_s=self.timeout_s, check=check, delegate=sub,
                                       window_bytes=_MIN_WINDOW, sync=self.sync,
                                       one_shot_bytes=self.one_shot_bytes)
+
+    def _make_intra(self, sub: Communicator) -> Communicator:
+        """The copy-engine communicator of this node's ranks (``sub``: the delegate's)."""
+        return self._child(sub, check=False)
 
     def _hierarchy(self) -> Hierarchy:
         """The intra-node ce and inter-node delegate communicators (collective on first call:
@@ -742,9 +747,7 @@ class CopyEngineCommunicator(Communicator):
 
     def _split_impl(self, groups: list[list[int]], index: int) -> Communicator:
         sub = self.delegate._split_impl(groups, index)
-        return CopyEngineCommunicator(timeout_s=self.timeout_s, check=self.check, delegate=sub,
-                                      window_bytes=_MIN_WINDOW, sync=self.sync,
-                                      one_shot_bytes=self.one_shot_bytes)
+        return self._child(sub, check=self.check)
 
     # Point to point goes through the delegate; a gloo delegate moves host memory only, so CUDA
     # tensors are staged through pinned host buffers (pipeline stages' activations: small).
@@ -770,9 +773,7 @@ class CopyEngineCommunicator(Communicator):
 
     def _subgroup_impl(self, members: list[int], store) -> Communicator:
         sub = self.delegate._subgroup_impl(members, store)
-        return CopyEngineCommunicator(timeout_s=self.timeout_s, check=self.check, delegate=sub,
-                                      window_bytes=_MIN_WINDOW, sync=self.sync,
-                                      one_shot_bytes=self.one_shot_bytes)
+        return self._child(sub, check=self.check)
 
     def _finalize_impl(self) -> None:
         if self._hier is not None:

@@ -225,7 +225,7 @@ class SimCE(CopyEngineCommunicator):
         self.local_rank, self.local_size, self.peers = rank, sim.world, [(0, r) for r in range(sim.world)]
         self.delegate = SimDelegate(sim, rank)
         self._slots = 1 if sync == "barrier" else 2
-        self._slot_streams = [None] * 2
+        self._slot_streams = [None] * self._slots
         self._calls = 0
         self._counts = collections.defaultdict(int)
         self._capacity = WINDOW_BYTES

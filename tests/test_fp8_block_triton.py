@@ -258,7 +258,7 @@ def test_plugin_trains_on_gpu_through_fast_path():
         assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], (backend, losses)
 
 
-@pytest.mark.skipif(not CUDA, reason="torch.compile of the cuBLAS path on a GPU")
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (compiles the cuBLAS FP8 path)")
 def test_fast_linear_compiles_as_one_graph():
     """A layer moved to the GPU and then compiled whole (fullgraph: a graph break raises) computes
     what it computes eagerly: the device probes ran when it moved, not inside the graph. (The

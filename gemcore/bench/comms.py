@@ -46,8 +46,8 @@ from typing import Callable
 import torch
 
 from gemcore.bench.comms_common import GemmLoop, check_gemm_args, coverage, parse_bytes, slowdown_pct
-from gemcore.bench.timing import queued_gpu_ms
 from gemcore.bench.comms_dist import copy_gbs, make_dist_case, sm_free_profile
+from gemcore.bench.timing import queued_gpu_ms
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

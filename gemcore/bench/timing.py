@@ -102,4 +102,3 @@ def queued_gpu_ms(fn: Callable[[], object], calls: int, host_ms: float, *,
     if enqueue_s > 0.8 * spacer_s:
         return math.nan
     return start.elapsed_time(end) / calls
-
