@@ -58,6 +58,8 @@ class DistSuite:
                 self.all_reduce(shape, dtype)
                 self.broadcast(shape, dtype)
         self.coalesced()
+        if self.device.type == "cuda":
+            self.other_stream()
         self.all_to_all_uneven()
         self.functional()
         self.point_to_point()
@@ -104,6 +106,28 @@ class DistSuite:
             x = _value(self.rank, shape, dtype, self.device, salt=5)
             dist.broadcast(x, src=root)
             self.expect(x, _value(root, shape, dtype, self.device, salt=5), f"broadcast root {root}")
+
+    def other_stream(self) -> None:
+        """An async all_gather queued on a busy side stream: ``wait()`` orders the caller's stream
+        after it (reading before the side stream finishes would see the uninitialised output),
+        and ``get_future()`` holds the output."""
+        d, w = self.device, self.world
+        x = _value(self.rank, (1 << 16,), torch.float32, d, salt=9)
+        out = torch.empty((1 << 16) * w, device=d)
+        side = torch.cuda.Stream(d)
+        side.wait_stream(torch.cuda.current_stream(d))
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(20_000_000)  # about 10 ms of GPU time before the collective
+            work = _all_gather_single(out, x, async_op=True)
+        work.wait()
+        want = torch.cat([_value(r, (1 << 16,), torch.float32, d, salt=9) for r in range(w)])
+        self.expect(out, want, "all_gather_into_tensor on another stream, then wait()")
+        (got,) = work.get_future().wait()
+        self.expect(got, want, "get_future() of an all_gather on another stream")
+        side.synchronize()
+        if not work.is_completed():
+            raise AssertionError(f"[rank {self.rank}] is_completed() is False after its stream finished")
+        self.checks += 1
 
     def coalesced(self) -> None:
         from torch.distributed.distributed_c10d import _coalescing_manager

@@ -18,11 +18,11 @@ What it serves (everything FSDP2, TP, CP, EP and pipelining call): ``all_gather_
 ``NotImplementedError`` naming the operation and the backend; nothing falls back to another
 backend. A tensor on a device the backend does not serve raises ``ValueError`` naming both.
 
-Completion: the communicator has done its part when a method returns; the returned ``Work`` wraps
-a completed :class:`torch.futures.Future`. On CUDA the future is made for the tensors' device, so
-``work.wait()`` makes the caller's current stream wait for the stream the collective was queued on
-(an event, no host synchronisation): a copy-engine collective queued on FSDP2's all-gather stream
-overlaps compute exactly as NCCL's does.
+Completion: the communicator has done its part when a method returns: its work is queued on the
+caller's current stream (CUDA) or done (host). The returned ``Work`` remembers that stream:
+``work.wait()`` makes the caller's current stream wait for it (no host synchronisation; nothing at
+all on the same stream), and ``work.get_future()`` is a CUDA future of it. So a copy-engine
+collective queued on FSDP2's all-gather stream overlaps compute exactly as NCCL's does.
 """
 from __future__ import annotations
 
@@ -64,15 +64,53 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1)
 
 
-def _completed(result, tensors: Sequence[torch.Tensor]):
-    """A Work whose future holds ``result``; on CUDA it carries an event of the current stream."""
-    devices = sorted({t.device for t in tensors if t.is_cuda}, key=str)
-    fut = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
-    fut.set_result(result)
-    make = getattr(dist.distributed_c10d, "_create_work_from_future", None)
-    if make is None:
-        make = torch._C._distributed_c10d._create_work_from_future
-    return make(fut)
+def _completed(result, tensors: Sequence[torch.Tensor]) -> "_QueuedWork":
+    """The Work of a collective the communicator has queued: on CUDA, on the current stream."""
+    for t in tensors:
+        index = t.get_device()
+        if index >= 0:
+            return _QueuedWork(result, index, torch._C._cuda_getCurrentRawStream(index))
+    return _QueuedWork(result, -1, 0)
+
+
+class _QueuedWork(dist.Work):
+    """A collective already queued on CUDA stream ``raw_stream`` of device ``index`` (index -1:
+    done on the host).
+
+    ``wait()`` makes the caller's current stream wait for that stream (nothing to do on the same
+    stream, the common case, so it costs no CUDA call); ``get_future()`` builds a CUDA future of it
+    on demand. Making that future on every call instead costs about 9 µs of host time per
+    collective, a tenth of a small collective's latency.
+    """
+
+    def __init__(self, result, index: int, raw_stream: int) -> None:
+        super().__init__()
+        self._result, self._index, self._raw = result, index, raw_stream
+
+    def _stream(self) -> torch.cuda.Stream:
+        return torch.cuda.ExternalStream(self._raw, device=torch.device("cuda", self._index))
+
+    def wait(self, timeout=None) -> bool:
+        if self._index >= 0 and torch._C._cuda_getCurrentRawStream(self._index) != self._raw:
+            torch.cuda.current_stream(self._index).wait_stream(self._stream())
+        return True
+
+    def is_completed(self) -> bool:
+        # the stream's later work included: never True before this collective is done
+        return self._index < 0 or self._stream().query()
+
+    def get_future(self):
+        if self._index < 0:
+            fut = torch.futures.Future()
+            fut.set_result(self._result)
+            return fut
+        fut = torch.futures.Future(devices=[torch.device("cuda", self._index)])
+        with torch.cuda.stream(self._stream()):
+            fut.set_result(self._result)  # records an event of the collective's stream
+        return fut
+
+    def result(self):
+        return self._result
 
 
 class _PendingWork(dist.Work):
