@@ -17,7 +17,8 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("args,message", [(("--batch", "0"), "--batch must be >= 1, got 0"),
-                                          (("--max-len", "0"), "--max-len must be >= 1, got 0")])
+                                          (("--max-len", "0"), "--max-len must be >= 1, got 0"),
+                                          (("--workload", "dense"), "--workload: invalid choice: 'dense'")])
 def test_bad_arguments_are_named(args, message):
     run = _run(*args)
     assert run.returncode == 2 and message in run.stderr
