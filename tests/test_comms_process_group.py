@@ -178,3 +178,15 @@ def test_bench_comms_step_refuses_one_process(capsys):
         comms_step.run(p.parse_args([]))
     with pytest.raises(SystemExit, match="--steps must be >= 1"):
         comms_step.run(p.parse_args(["--steps", "0"]))
+
+
+def test_a_host_collectives_work_is_complete_and_holds_its_result():
+    """The Work of a collective on CPU tensors: done when returned; its future and result hold
+    the outputs (the CUDA stream semantics are checked by the dist suite on the GPU)."""
+    from gemcore.comms.process_group import _completed
+
+    out = torch.arange(4.0)
+    work = _completed([out], [out])
+    assert work.wait() is True and work.is_completed()
+    (got,) = work.get_future().wait()
+    assert got is out and work.result() == [out]
