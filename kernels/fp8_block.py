@@ -19,9 +19,9 @@ float32 accumulation promoted once per 128-wide K block. Backends:
   ``ScalingType.BlockWise1x128`` / ``BlockWise128x128``;
 * ``"triton"``: :func:`gemcore.kernels.fp8_block_triton.fp8_block_mm_triton`, FP8 tensor cores
   (compute capability >= 8.9);
-* ``"auto"``: the reference off CUDA; on CUDA the backend listed in :data:`AUTO_CUDA_MATMUL` for
-  the GPU's compute capability, and an error where none is listed (``auto`` only picks a kernel
-  that has run and passed its tests on that GPU generation).
+* ``"auto"``: the reference off CUDA; on CUDA the first backend of the GPU's compute capability's
+  row in :data:`AUTO_CUDA_MATMUL` that runs this GEMM here, and an error where no row is listed
+  (``auto`` only picks kernels that have run and passed their tests on that GPU generation).
 
 An explicitly requested backend that cannot run raises; nothing falls back to another backend.
 """
@@ -39,9 +39,11 @@ from gemcore.kernels.fp8_block_reference import (BLOCK, dequantize_reference, fp
 
 MATMUL_BACKENDS = ("auto", "reference", "cublas", "scaled_mm", "triton")
 CAST_BACKENDS = ("auto", "triton", "reference")
-#: compute capability -> the GEMM backend ``"auto"`` runs there: only entries whose GPU tests and
-#: benchmarks passed on that generation
-AUTO_CUDA_MATMUL: dict[tuple[int, int], str] = {}
+#: compute capability -> the GEMM backends ``"auto"`` runs there, fastest first: only backends whose
+#: GPU tests and benchmarks passed on that generation. Hopper (H100 and H200, torch 2.11): cuBLAS
+#: through ``torch._scaled_mm``; where this torch's ``_scaled_mm`` cannot take a GEMM's 128x128
+#: scale layout, the same cuBLAS GEMM through ``F.scaled_mm``; the Triton kernel where neither runs.
+AUTO_CUDA_MATMUL: dict[tuple[int, int], tuple[str, ...]] = {(9, 0): ("cublas", "scaled_mm", "triton")}
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -241,8 +243,12 @@ def matmul_backend_status(device: torch.device) -> dict[str, Optional[str]]:
     return status
 
 
-def resolve_matmul_backend(backend: str, device: torch.device) -> str:
-    """The backend that runs for ``backend`` on ``device``; raises if it cannot run there."""
+def resolve_matmul_backend(backend: str, device: torch.device, square_blocks: tuple[int, int] | None = None) -> str:
+    """The backend that runs for ``backend`` on ``device``; raises if it cannot run there.
+
+    ``square_blocks``: (N/128, K/128) of the GEMM's 128x128 operand, if it has one: ``auto``
+    then skips ``cublas`` where this torch cannot pass that operand's scales to cuBLAS.
+    """
     if backend not in MATMUL_BACKENDS:
         raise ValueError(f"backend must be one of {MATMUL_BACKENDS}, got {backend!r}")
     device = torch.device(device)
@@ -254,11 +260,34 @@ def resolve_matmul_backend(backend: str, device: torch.device) -> str:
             raise ValueError(f"matmul='auto': no block-scaled FP8 GEMM has been verified on compute "
                              f"capability {cap[0]}.{cap[1]}; choose 'cublas', 'scaled_mm' or 'triton' (or 'reference') "
                              f"explicitly (see docs/fp8.md)")
-        backend = AUTO_CUDA_MATMUL[cap]
+        key = (_device_index(device), square_blocks)
+        if key in _AUTO_CHOICES:
+            return _AUTO_CHOICES[key]
+        _AUTO_CHOICES[key] = chosen = _first_runnable(AUTO_CUDA_MATMUL[cap], device, square_blocks)
+        return chosen
     reason = matmul_backend_status(device)[backend]
     if reason is not None:
         raise ValueError(f"matmul backend {backend!r} cannot run on {device}: {reason}")
     return backend
+
+
+#: (CUDA device index, 128x128 operand's blocks or None) -> the backend ``auto`` chose there
+_AUTO_CHOICES: dict[tuple[int, tuple[int, int] | None], str] = {}
+
+
+def _first_runnable(candidates: tuple[str, ...], device: torch.device,
+                    square_blocks: tuple[int, int] | None) -> str:
+    """The first of ``candidates`` that runs a GEMM with these 128x128 blocks on ``device``."""
+    status = matmul_backend_status(device)
+    for candidate in candidates:
+        if status[candidate] is not None:
+            continue
+        if candidate == "cublas" and square_blocks is not None and not cublas_takes_block_scales(
+                square_blocks[1], square_blocks[0], device):
+            continue
+        return candidate
+    raise ValueError(f"matmul='auto': none of {', '.join(candidates)} runs on {device}: "
+                     + "; ".join(f"{name}: {status[name]}" for name in candidates if status[name] is not None))
 
 
 def fp8_block_mm(a: BlockFP8, b: BlockFP8, out_dtype: torch.dtype = torch.bfloat16,
@@ -278,7 +307,8 @@ def fp8_block_mm(a: BlockFP8, b: BlockFP8, out_dtype: torch.dtype = torch.bfloat
         raise ValueError(f"a and b must be on one device, got {a.data.device} and {b.data.device}")
     if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"out_dtype must be float32/bfloat16/float16, got {out_dtype!r}")
-    backend = resolve_matmul_backend(backend, a.data.device)
+    square = tuple(b.scale.shape) if b.block_rows == BLOCK else None
+    backend = resolve_matmul_backend(backend, a.data.device, square)
     if backend == "reference":
         return fp8_block_mm_reference(a.data, a.scale, b.data, b.scale, out_dtype)
     M, N = a.data.shape[0], b.data.shape[0]
@@ -402,7 +432,8 @@ def generation_routes() -> list[tuple[str, str, str]]:
     rows = []
     for cap, name, routes in GENERATIONS:
         auto = AUTO_CUDA_MATMUL.get(cap)
-        auto_note = f"auto -> {auto}" if auto else "auto: none verified on this generation, choose explicitly"
+        auto_note = (f"auto -> {', then '.join(auto)} (the first that runs the GEMM)" if auto
+                     else "auto: none verified on this generation, choose explicitly")
         rows.append((f"{cap[0]}.{cap[1]}", name, f"{routes}; fp8_block {auto_note}"))
     return rows
 

@@ -226,6 +226,33 @@ def test_gpu_without_fp8_is_refused(monkeypatch):
         fb.resolve_matmul_backend("auto", torch.device("cuda", 0))
 
 
+@pytest.mark.parametrize("runs,padded,square,want", [
+    ({"cublas", "scaled_mm", "triton"}, True, (2, 3), "cublas"),      # torch takes padded scales
+    ({"cublas", "scaled_mm", "triton"}, False, (2, 8), "cublas"),     # K/128 a multiple of 4
+    ({"cublas", "scaled_mm", "triton"}, False, None, "cublas"),       # no 128x128 operand
+    ({"cublas", "scaled_mm", "triton"}, False, (2, 3), "scaled_mm"),  # cuBLAS can't take these scales
+    ({"cublas", "triton"}, False, (2, 3), "triton"),
+    ({"triton"}, True, (2, 3), "triton"),                             # no cuBLAS block scaling here
+])
+def test_auto_on_hopper_takes_the_first_backend_that_runs_the_gemm(monkeypatch, runs, padded, square, want):
+    monkeypatch.setattr(fb, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(fb, "_AUTO_CHOICES", {})
+    monkeypatch.setattr(fb, "_cublas_takes_padded_scales", lambda device: padded)
+    monkeypatch.setattr(fb, "matmul_backend_status", lambda device: {
+        name: None if name in runs else f"{name} cannot run here" for name in ("reference", "cublas", "scaled_mm", "triton")})
+    assert fb.resolve_matmul_backend("auto", torch.device("cuda", 0), square) == want
+    assert fb.resolve_matmul_backend("auto", torch.device("cuda", 0), square) == want  # remembered
+
+
+def test_auto_on_hopper_with_no_runnable_backend_says_why(monkeypatch):
+    monkeypatch.setattr(fb, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(fb, "_AUTO_CHOICES", {})
+    monkeypatch.setattr(fb, "matmul_backend_status", lambda device: {
+        "reference": None, "cublas": "CUDA 12.4", "scaled_mm": "no recipes", "triton": "no FP8"})
+    with pytest.raises(ValueError, match="none of cublas, scaled_mm, triton runs on cuda:0: cublas: CUDA 12.4"):
+        fb.resolve_matmul_backend("auto", torch.device("cuda", 0))
+
+
 # --------------------------------------------------------------------------- plugin and training
 def test_plugin_registers_and_trains_on_cpu():
     from gemcore.config import PrecisionConfig
@@ -293,7 +320,7 @@ def test_gem_info_says_what_each_gpu_generation_gets(tmp_path, monkeypatch):
     assert fb.generation_of((9, 0)) == (9, 0) and fb.generation_of((7, 5)) == (8, 0)
     assert fb.generation_of((10, 3)) == (10, 0) and fb.generation_of((8, 9)) == (8, 9)
     # auto only names backends verified on a generation
-    assert all(fb.AUTO_CUDA_MATMUL.get(cap) in (None, *fb.MATMUL_BACKENDS) for cap in fb.AUTO_CUDA_MATMUL)
+    assert all(set(row) <= set(fb.MATMUL_BACKENDS) - {"auto", "reference"} for row in fb.AUTO_CUDA_MATMUL.values())
 
 
 @pytest.mark.parametrize("K", [512, 384, 128])
