@@ -92,6 +92,8 @@ class PrecisionConfig:
     fp8_matmul: Literal["auto", "reference", "cublas", "scaled_mm", "triton"] = _f(
         "auto", "fp8_block: GEMM backend (auto: reference on CPU, on CUDA only a backend verified on that GPU)")
     fp8_keep: list[str] = _f(["router", "head"], "fp8_block: module-name parts kept in high precision")
+    fp8_fused_mlp: bool = _f(False, "fp8_block: SwiGLU MLPs with the activation fused into its FP8 casts "
+                             "(FP8BlockSwiGLU; activations between the layers in bf16)")
     fp8_fsdp_all_gather: bool = _f(True, "fp8_block: when FSDP2 shards the weights, all-gather the FP8 layers' weights "
                                    "in FP8 (1 byte an element plus a float32 scale per 128x128 block)")
 

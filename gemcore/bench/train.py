@@ -60,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
     p.add_argument("--fp8-matmul", default="auto", choices=MATMUL_BACKENDS,
                    help="the fp8 configurations' GEMM backend (precision.fp8_matmul)")
+    p.add_argument("--fp8-fused-mlp", action="store_true",
+                   help="the fp8 configurations' SwiGLU MLPs fused with their FP8 casts (precision.fp8_fused_mlp)")
     p.add_argument("--compile-scope", default="block", choices=COMPILE_SCOPES,
                    help="what +compile compiles: each block whole, or its MLP and norms only")
     p.add_argument("--no-local-mfu", action="store_true")
@@ -94,10 +96,11 @@ def _batches(data, users: int, steps: int, order: str, seed: int, manager):
 
 
 def build(config: str, model_cfg: ModelConfig, manager, device, seed: int, fp8_matmul: str = "auto",
-          compile_scope: str = "block"):
+          compile_scope: str = "block", fp8_fused_mlp: bool = False):
     """(model-like object with .loss(batch) and .parameters(), the GemModel inside, description).
 
-    ``fp8_matmul`` is the ``fp8`` configurations' GEMM backend (``precision.fp8_matmul``);
+    ``fp8_matmul`` is the ``fp8`` configurations' GEMM backend (``precision.fp8_matmul``) and
+    ``fp8_fused_mlp`` whether their MLPs are fused with their casts (``precision.fp8_fused_mlp``);
     ``compile_scope`` what ``+compile`` compiles (:data:`COMPILE_SCOPES`)."""
     if compile_scope not in COMPILE_SCOPES:
         raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {compile_scope!r}")
@@ -112,7 +115,7 @@ def build(config: str, model_cfg: ModelConfig, manager, device, seed: int, fp8_m
     model = GemModel(model_cfg, attention)
     precision_name = PRECISIONS.get(peer, "bf16")
     policy = manager.resolve("precision", precision_name).factory(
-        PrecisionConfig(impl=precision_name, fp8_matmul=fp8_matmul))
+        PrecisionConfig(impl=precision_name, fp8_matmul=fp8_matmul, fp8_fused_mlp=fp8_fused_mlp))
     if config == "padded":
         from gemcore.bench.padded import PaddedGemModel
 
@@ -130,8 +133,9 @@ def build(config: str, model_cfg: ModelConfig, manager, device, seed: int, fp8_m
 
 
 def train_config(config, model_cfg, data, heldout, steps_idx, warmup, device, manager, seed,
-                 fp8_matmul: str = "auto", compile_scope: str = "block") -> Result:
-    runner, gem, policy, _ = build(config, model_cfg, manager, device, seed, fp8_matmul, compile_scope)
+                 fp8_matmul: str = "auto", compile_scope: str = "block", fp8_fused_mlp: bool = False) -> Result:
+    runner, gem, policy, _ = build(config, model_cfg, manager, device, seed, fp8_matmul, compile_scope,
+                                   fp8_fused_mlp)
     opt = torch.optim.AdamW(runner.parameters(), lr=1e-3, fused=device.type == "cuda")
     batches = [data.__getitems__(idx).to(device) for idx in steps_idx]
     peak = peak_flops(device)
@@ -280,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             results.append(train_config(config, model_cfg, data, heldout, steps_idx, args.warmup, device,
                                         manager, seed=0, fp8_matmul=args.fp8_matmul,
+                                        fp8_fused_mlp=args.fp8_fused_mlp,
                                         compile_scope=args.compile_scope))
         except Exception as exc:  # noqa: BLE001 - one failing configuration is reported, not fatal
             results.append(Result(config, error=f"{type(exc).__name__}: {str(exc)[:200]}"))

@@ -1,0 +1,115 @@
+"""SwiGLU fused with its block-scaled FP8 casts: the MLP's activation writes FP8, not bf16.
+
+In an FP8 SwiGLU MLP (``y = down(silu(g) * u)`` with ``g, u = gate_up(x).chunk(2, -1)``), the
+activation's output ``h`` and, in the backward pass, the gradient of ``gate_up``'s output are each
+written in bf16 and then read back by a cast into 1x128 blocks along rows and 128x1 blocks along
+tokens (:mod:`gemcore.kernels.fp8_block_triton`). These kernels compute them tile by tile and
+cast them straight away, so neither bf16 matrix is written or read back.
+
+* ``_swiglu_cast`` (``BACKWARD=False``): gu (M, 2F) bf16 -> h = bf16(silu(g) * u), (M, F).
+* ``_swiglu_cast`` (``BACKWARD=True``): dh (M, F) and gu -> d(gu) (M, 2F) =
+  [bf16(dh * u * silu'(g)), bf16(dh * silu(g))], silu'(g) = s (1 + g (1 - s)), s = sigmoid(g).
+
+Each value is computed in float32 from the bf16 inputs and rounded once to bf16 (what
+``torch.compile`` computes for the unfused activation), then cast exactly as
+:func:`gemcore.kernels.fp8_block_reference.quantize_rows_reference` casts that bf16 matrix (both
+layouts, zero-padded to whole blocks): the helpers are those of the cast kernel.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gemcore.kernels.fp8_block_triton import (BLOCK, FULL_TILE, _amax_bits, _block_byte, _e4m3,
+                                              _interpreting, _scale_value)
+
+
+@triton.jit
+def _to_bf16(x, SOFT_ROUND: tl.constexpr):
+    """float32 -> bf16, nearest even. Under the interpreter (whose own conversion truncates) the
+    rounding is done on the float32 bits first, so that the conversion is exact."""
+    if SOFT_ROUND:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536: 0xFFFF0000 as int32
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _swiglu_cast(gu_ptr, dh_ptr, rdata_ptr, rscale_ptr, cdata_ptr, cscale_ptr, M, F, R_PAD, C_PAD,
+                 stride_gm, stride_gc, stride_dm, stride_dc, stride_rsr, stride_rsc, stride_csr,
+                 stride_csc, BACKWARD: tl.constexpr, BLOCK_R: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """One (BLOCK_R = 128, 128) tile of the output (h, or d(gu)) per program, cast into 1x128
+    blocks along its rows (rdata (R_PAD, C_PAD), rscale[r, cb]) and 128x1 blocks along its
+    columns, written transposed (cdata (C_PAD, R_PAD), cscale[c, rb])."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    r = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    c = (pid_c * 128 + tl.arange(0, 128)).to(tl.int64)
+    if BACKWARD:  # output column c of d(gu): the gate half (c < F) or the up half
+        up_half = pid_c * 128 >= F
+        f = tl.where(up_half, c - F, c)
+        n_cols = 2 * F
+    else:
+        up_half = False
+        f = c
+        n_cols = F
+    mask = (r[:, None] < M) & (c[None, :] < n_cols)
+    row = r[:, None] * stride_gm
+    g = tl.load(gu_ptr + row + f[None, :] * stride_gc, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row + (f[None, :] + F) * stride_gc, mask=mask, other=0.0).to(tl.float32)
+    s = 1.0 / (1.0 + tl.exp(-g))
+    if BACKWARD:
+        dh = tl.load(dh_ptr + r[:, None] * stride_dm + f[None, :] * stride_dc, mask=mask,
+                     other=0.0).to(tl.float32)
+        if up_half:
+            value = dh * (g * s)
+        else:
+            value = dh * u * (s * (1.0 + g * (1.0 - s)))
+    else:
+        value = g * s * u
+    x = _to_bf16(value, SOFT_ROUND)
+    bits = x.to(tl.int16, bitcast=True) & 0x7FFF
+    row_byte = _block_byte(_amax_bits(bits, 1, True))  # (BLOCK_R,)
+    tl.store(rdata_ptr + r[:, None] * C_PAD + c[None, :], _e4m3(x, row_byte[:, None], SOFT_ROUND),
+             mask=r[:, None] < R_PAD)
+    tl.store(rscale_ptr + r * stride_rsr + pid_c * stride_rsc, _scale_value(row_byte), mask=r < R_PAD)
+    col_byte = _block_byte(_amax_bits(bits, 0, True))  # (128,)
+    tl.store(cdata_ptr + c[None, :] * R_PAD + r[:, None], _e4m3(x, col_byte[None, :], SOFT_ROUND))
+    tl.store(cscale_ptr + c * stride_csr + pid_r * stride_csc, _scale_value(col_byte))
+
+
+def swiglu_cast_triton(gu: torch.Tensor, dh: torch.Tensor | None = None, *,
+                       soft_round: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h = silu(g) * u of ``gu`` (M, 2F) bf16, or with ``dh`` (M, F) bf16 the gradient of ``gu``,
+    cast to block-scaled FP8 in both layouts. F must be a multiple of 128.
+
+    Returns (rows (Mp, N) E4M3, row scales (Mp, N/128) float32 column-major, cols (N, Mp) E4M3,
+    col scales (N, Mp/128) float32 column-major); N = F (h) or 2F (the gradient), Mp = M rounded
+    up to a multiple of 128, padding zero: the layouts :func:`gemcore.kernels.fp8_block.quantize_act`
+    returns."""
+    if gu.dim() != 2 or gu.shape[1] % (2 * BLOCK):
+        raise ValueError(f"gu must be (M, 2F) with F a multiple of {BLOCK}, got shape {tuple(gu.shape)}")
+    if gu.dtype != torch.bfloat16:
+        raise ValueError(f"gu must be bfloat16, got {gu.dtype}")
+    M, F = gu.shape[0], gu.shape[1] // 2
+    if dh is not None:
+        if dh.shape != (M, F) or dh.dtype != torch.bfloat16:
+            raise ValueError(f"dh must be ({M}, {F}) bfloat16 like gu's halves, got {tuple(dh.shape)} {dh.dtype}")
+    if soft_round is None:
+        soft_round = _interpreting()
+    n = F if dh is None else 2 * F
+    m_pad = -(-M // BLOCK) * BLOCK
+    dev = gu.device
+    rows = torch.empty((m_pad, n), dtype=torch.float8_e4m3fn, device=dev)
+    cols = torch.empty((n, m_pad), dtype=torch.float8_e4m3fn, device=dev)
+    rscale = torch.empty((n // BLOCK, m_pad), dtype=torch.float32, device=dev).t()
+    cscale = torch.empty((m_pad // BLOCK, n), dtype=torch.float32, device=dev).t()
+    if m_pad:
+        d = dh if dh is not None else gu
+        grid = (m_pad // FULL_TILE["BLOCK_R"], n // BLOCK)
+        _swiglu_cast[grid](gu, d, rows.view(torch.uint8), rscale, cols.view(torch.uint8), cscale, M, F,
+                           m_pad, n, *gu.stride(), *d.stride(), *rscale.stride(), *cscale.stride(),
+                           BACKWARD=dh is not None, SOFT_ROUND=soft_round, **FULL_TILE)
+    return rows, rscale, cols, cscale
