@@ -107,6 +107,11 @@ class FP8BlockSwiGLU(nn.Module):
             raise ValueError(f"x: last dimension must be {self.gate_up.in_features}, got {tuple(x.shape)}")
         if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"x must be float32/bfloat16/float16 to cast to FP8, got {x.dtype}")
+        from gemcore.kernels.mx import _is_dtensor
+
+        if _is_dtensor(self.gate_up.weight) or _is_dtensor(self.down.weight) or _is_dtensor(x):
+            raise ValueError("FP8BlockSwiGLU does not run under tensor parallelism (a weight or x is a "
+                             "DTensor); use precision.fp8_fused_mlp=false, or mxfp8 / bf16 for tp > 1 plans")
         device_type = x.device.type
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         lead = x.shape[:-1]

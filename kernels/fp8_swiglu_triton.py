@@ -21,8 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-from gemcore.kernels.fp8_block_triton import (BLOCK, FULL_TILE, _amax_bits, _block_byte, _e4m3,
-                                              _interpreting, _scale_value)
+from gemcore.kernels.fp8_block_triton import (BLOCK, _amax_bits, _block_byte, _e4m3, _interpreting,
+                                              _scale_value)
+
+#: 128 rows (a 128x1 block along tokens per column) and 8 warps: the tile holds two to three
+#: float32 128x128 operands at once (g, u, and dh backward), twice the cast kernel's one bf16
+#: tile, so twice its 4 warps keeps them in registers; not yet tuned on a GPU
+SWIGLU_TILE = dict(BLOCK_R=128, num_warps=8)
 
 
 @triton.jit
@@ -108,8 +113,8 @@ def swiglu_cast_triton(gu: torch.Tensor, dh: torch.Tensor | None = None, *,
     cscale = torch.empty((m_pad // BLOCK, n), dtype=torch.float32, device=dev).t()
     if m_pad:
         d = dh if dh is not None else gu
-        grid = (m_pad // FULL_TILE["BLOCK_R"], n // BLOCK)
+        grid = (m_pad // SWIGLU_TILE["BLOCK_R"], n // BLOCK)
         _swiglu_cast[grid](gu, d, rows.view(torch.uint8), rscale, cols.view(torch.uint8), cscale, M, F,
                            m_pad, n, *gu.stride(), *d.stride(), *rscale.stride(), *cscale.stride(),
-                           BACKWARD=dh is not None, SOFT_ROUND=soft_round, **FULL_TILE)
+                           BACKWARD=dh is not None, SOFT_ROUND=soft_round, **SWIGLU_TILE)
     return rows, rscale, cols, cscale
