@@ -502,6 +502,22 @@ class _FP8BlockLinearFunction(torch.autograd.Function):
         return dx, dw, None, None
 
 
+def check_fp8_input(x: torch.Tensor, in_features: int, weights: list, module: str, tp_hint: str) -> torch.dtype:
+    """Raise ValueError naming the problem unless ``x`` (..., in_features) can be cast to FP8 and
+    neither ``x`` nor ``weights`` is a DTensor (tensor parallelism); returns the output dtype: the
+    autocast dtype when autocast is on for x's device, else x's dtype."""
+    if x.shape[-1] != in_features:
+        raise ValueError(f"x: last dimension must be in_features={in_features}, got {tuple(x.shape)}")
+    if x.dtype not in _INPUT_DTYPES:
+        raise ValueError(f"x must be float32/bfloat16/float16 to cast to FP8, got {x.dtype}")
+    from gemcore.kernels.mx import _is_dtensor
+
+    if _is_dtensor(x) or any(_is_dtensor(w) for w in weights):
+        raise ValueError(f"{module} does not run under tensor parallelism (a weight or x is a DTensor); {tp_hint}")
+    device_type = x.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+
+
 class FP8BlockLinear(nn.Linear):
     """Drop-in ``nn.Linear`` whose forward, dgrad and wgrad GEMMs run in block-scaled FP8.
 
@@ -543,17 +559,9 @@ class FP8BlockLinear(nn.Linear):
             _cublas_takes_padded_scales(weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"x: last dimension must be in_features={self.in_features}, got {tuple(x.shape)}")
-        if x.dtype not in _INPUT_DTYPES:
-            raise ValueError(f"x must be float32/bfloat16/float16 to cast to FP8, got {x.dtype}")
-        from gemcore.kernels.mx import _is_dtensor
-
-        if _is_dtensor(self.weight) or _is_dtensor(x):
-            raise ValueError("FP8BlockLinear does not run under tensor parallelism (its weight or x is a "
-                             "DTensor); use precision.impl=mxfp8 or bf16 for tp > 1 plans")
+        out_dtype = check_fp8_input(x, self.in_features, [self.weight], "FP8BlockLinear",
+                                    "use precision.impl=mxfp8 or bf16 for tp > 1 plans")
         device_type = x.device.type
-        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         lead = x.shape[:-1]
         with torch.autocast(device_type, enabled=False):
             out = _FP8BlockLinearFunction.apply(x.reshape(-1, self.in_features), self.weight,

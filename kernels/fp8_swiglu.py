@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gemcore.kernels.fp8_block import (BLOCK, BlockFP8, FP8BlockConfig, FP8BlockLinear, _cast_backend,
-                                       _weight_pair, fp8_block_mm, quantize_act)
+                                       _weight_pair, check_fp8_input, fp8_block_mm, quantize_act)
 
 
 def swiglu_reference(gu: torch.Tensor) -> torch.Tensor:
@@ -103,17 +103,10 @@ class FP8BlockSwiGLU(nn.Module):
         self.down = down if isinstance(down, FP8BlockLinear) else FP8BlockLinear.from_linear(down, **options)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.gate_up.in_features:
-            raise ValueError(f"x: last dimension must be {self.gate_up.in_features}, got {tuple(x.shape)}")
-        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"x must be float32/bfloat16/float16 to cast to FP8, got {x.dtype}")
-        from gemcore.kernels.mx import _is_dtensor
-
-        if _is_dtensor(self.gate_up.weight) or _is_dtensor(self.down.weight) or _is_dtensor(x):
-            raise ValueError("FP8BlockSwiGLU does not run under tensor parallelism (a weight or x is a "
-                             "DTensor); use precision.fp8_fused_mlp=false, or mxfp8 / bf16 for tp > 1 plans")
+        out_dtype = check_fp8_input(x, self.gate_up.in_features, [self.gate_up.weight, self.down.weight],
+                                    "FP8BlockSwiGLU", "use precision.fp8_fused_mlp=false, or mxfp8 / bf16 "
+                                    "for tp > 1 plans")
         device_type = x.device.type
-        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         lead = x.shape[:-1]
         with torch.autocast(device_type, enabled=False):
             y = _FP8SwiGLUFunction.apply(x.reshape(-1, x.shape[-1]), self.gate_up.weight, self.down.weight,

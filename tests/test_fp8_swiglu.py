@@ -98,7 +98,7 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="matmul must be one of"):
         FP8BlockSwiGLU(gate_up, down, matmul="fast")
     fused = FP8BlockSwiGLU(gate_up, down, matmul="reference")
-    with pytest.raises(ValueError, match="x: last dimension must be 128"):
+    with pytest.raises(ValueError, match="x: last dimension must be in_features=128"):
         fused(torch.randn(4, 64))
     with pytest.raises(ValueError, match="x must be float32/bfloat16/float16"):
         fused(torch.zeros(4, 128, dtype=torch.int64))
