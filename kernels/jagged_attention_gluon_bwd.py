@@ -503,14 +503,18 @@ def jagged_attention_bwd_hopper(do, q, k, v, out, lse2, offsets, activation: str
     ctas = min(n_items, sm_count(q.device)) if persistent else n_items
     # query tiles for dQ (the forward's list, kept on the offsets), key tiles for dK/dV
     (q_work, q_listed), (k_work, k_listed) = cached_lists(offsets, max_seqlen, T, query=True, key=True)
+    # both kernels read q, do, k and v in (64, D) blocks and in their tile's (slot, D) blocks: one
+    # descriptor per tensor and block shape serves both launches (each costs microseconds of host time)
+    descs = {rows: dict(zip("qdkv", (descriptor(t, rows) for t in (q, do, k, v))))
+             for rows in dict.fromkeys((64, DQ_TILE[1], DKDV_TILE[1]))}
     _, slot, stages = DQ_TILE
     _jagged_attn_bwd_dq_hopper[(ctas,)](
-        descriptor(q, 64), descriptor(do, 64), descriptor(k, slot), descriptor(v, slot),
+        descs[64]["q"], descs[64]["d"], descs[slot]["k"], descs[slot]["v"],
         dq, out, lse2, delta, targets, dq.stride(0), out.stride(0), H, q_work, q_listed, B, scale, qk_scale,
         inv_norm, STAGES=stages, **flags)
     _, slot, stages = DKDV_TILE
     _jagged_attn_bwd_dkdv_hopper[(ctas,)](
-        descriptor(k, 64), descriptor(v, 64), descriptor(q, slot), descriptor(do, slot),
+        descs[64]["k"], descs[64]["v"], descs[slot]["q"], descs[slot]["d"],
         dk, dv, lse2, delta, targets, dk.stride(0), H, k_work, k_listed, B, scale, qk_scale, inv_norm,
         STAGES=stages, **flags)
     return dq, dk, dv

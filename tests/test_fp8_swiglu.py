@@ -148,3 +148,25 @@ def test_fused_kernels_in_interpreter():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_fused_kernel_compiles_for_sm90_with_the_installed_triton(backward):
+    """No GPU needed: the kernel builds for Hopper and its PTX rounds to bf16 and converts to E4M3
+    in hardware, after the flushing multiply of the reference's subnormal rule."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from gemcore.kernels.fp8_swiglu_triton import SWIGLU_TILE, _swiglu_cast
+
+    ints = ["M", "F", "R_PAD", "C_PAD", "stride_gm", "stride_gc", "stride_dm", "stride_dc", "stride_rsr",
+            "stride_rsc", "stride_csr", "stride_csc"]
+    signature = dict(gu_ptr="*bf16", dh_ptr="*bf16", rdata_ptr="*u8", rscale_ptr="*fp32", cdata_ptr="*u8",
+                     cscale_ptr="*fp32", **dict.fromkeys(ints, "i32"), BACKWARD="constexpr", BLOCK_R="constexpr",
+                     SOFT_ROUND="constexpr")
+    src = ASTSource(_swiglu_cast, signature, constexprs={"BACKWARD": backward, "BLOCK_R": SWIGLU_TILE["BLOCK_R"],
+                                                         "SOFT_ROUND": False})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": SWIGLU_TILE["num_warps"]})
+    ptx = compiled.asm["ptx"]
+    assert "cvt.rn.bf16" in ptx and "e4m3x2" in ptx and "mul.rn.ftz.f32" in ptx

@@ -99,6 +99,41 @@ def test_compiles_for_sm90_with_the_installed_triton(activation, causal, targets
         assert compiled.metadata.shared <= 227 * 1024        # an H100 / H200 SM's shared memory
 
 
+@pytest.mark.parametrize("dq_slot,dkdv_slot", [(64, 64), (128, 64), (64, 128)])
+def test_the_launches_share_descriptors_and_get_the_right_ones(monkeypatch, dq_slot, dkdv_slot):
+    """No GPU needed (the launches are recorded, not run): one descriptor per tensor and block
+    shape, and each kernel gets q, do, k and v in the blocks its tile reads."""
+    built, launches = [], {}
+    names = {}
+
+    def descriptor(t, rows):
+        built.append((names[t.data_ptr()], rows))
+        return (names[t.data_ptr()], rows)
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.__setitem__(self.name, args[:4])
+
+    monkeypatch.setattr(gluon_bwd, "descriptor", descriptor)
+    monkeypatch.setattr(gluon_bwd, "_jagged_attn_bwd_dq_hopper", Recorder("dq"))
+    monkeypatch.setattr(gluon_bwd, "_jagged_attn_bwd_dkdv_hopper", Recorder("dkdv"))
+    monkeypatch.setattr(gluon_bwd, "cached_lists", lambda *a, **k: [(None, None), (None, None)])
+    monkeypatch.setattr(gluon_bwd, "sm_count", lambda device: 132)
+    monkeypatch.setattr(gluon_bwd, "DQ_TILE", (128, dq_slot, 3))
+    monkeypatch.setattr(gluon_bwd, "DKDV_TILE", (128, dkdv_slot, 2))
+    q, k, v, do, out = (torch.zeros(256, 2, 128, dtype=torch.bfloat16) for _ in range(5))
+    names.update({t.data_ptr(): n for n, t in zip("qkvdo", (q, k, v, do))})
+    lse2 = torch.zeros(256, 2)
+    gluon_bwd.jagged_attention_bwd_hopper(do, q, k, v, out, lse2, torch.tensor([0, 256]), "softmax", True,
+                                          0.1, 1.0, 256)
+    assert sorted(built) == sorted({(n, rows) for n in "qdkv" for rows in {64, dq_slot, dkdv_slot}})
+    assert launches["dq"] == (("q", 64), ("d", 64), ("k", dq_slot), ("v", dq_slot))
+    assert launches["dkdv"] == (("k", 64), ("v", 64), ("q", dkdv_slot), ("d", dkdv_slot))
+
+
 def test_the_backend_takes_it_only_on_hopper_and_when_switched_on(monkeypatch):
     q = torch.zeros(4096, 2, 128, dtype=torch.bfloat16)
     offsets = torch.tensor([0, 2048, 4096])
