@@ -55,12 +55,9 @@ def _swiglu_cast(gu_ptr, dh_ptr, rdata_ptr, rscale_ptr, cdata_ptr, cscale_ptr, M
     if BACKWARD:  # output column c of d(gu): the gate half (c < F) or the up half
         up_half = pid_c * 128 >= F
         f = tl.where(up_half, c - F, c)
-        n_cols = 2 * F
     else:
-        up_half = False
         f = c
-        n_cols = F
-    mask = (r[:, None] < M) & (c[None, :] < n_cols)
+    mask = r[:, None] < M  # the grid covers the columns exactly (F is a multiple of 128)
     row = r[:, None] * stride_gm
     g = tl.load(gu_ptr + row + f[None, :] * stride_gc, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row + (f[None, :] + F) * stride_gc, mask=mask, other=0.0).to(tl.float32)
