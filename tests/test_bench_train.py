@@ -57,6 +57,20 @@ def test_fp8_configuration_is_built_with_the_fp8_block_policy():
     assert train._bf16_twin("fp8+compile") == "bf16+compile" and train._bf16_twin("fp8") == "bf16"
 
 
+def test_fp8_keep_leaves_the_named_layers_in_bf16():
+    """--fp8-keep qkv,out: the attention projections stay nn.Linear, the MLP's layers turn FP8."""
+    from gemcore.bench import train
+    from gemcore.plugin_manager import create_plugin_manager
+
+    cfg = ModelConfig(hidden=128, num_heads=2, num_blocks=1, num_items=40)
+    _, gem, policy, _ = train.build("fp8", cfg, create_plugin_manager(), torch.device("cpu"), 0, "reference",
+                                    fp8_keep=("router", "head", "qkv", "out"))
+    block = gem.blocks[0]
+    assert type(block.qkv) is torch.nn.Linear and type(block.out) is torch.nn.Linear
+    assert type(block.mlp.gate_up).__name__ == "FP8BlockLinear"
+    assert all(".qkv" not in name and ".out" not in name for name in policy.converted)
+
+
 @pytest.mark.parametrize("scope", ["block", "dense"])
 def test_compile_scope_picks_what_is_compiled(scope):
     """+compile wraps each block whole (block) or its MLP and norms (dense); nothing else."""

@@ -62,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the fp8 configurations' GEMM backend (precision.fp8_matmul)")
     p.add_argument("--fp8-fused-mlp", action="store_true",
                    help="the fp8 configurations' SwiGLU MLPs fused with their FP8 casts (precision.fp8_fused_mlp)")
+    p.add_argument("--fp8-keep", default="router,head",
+                   help="the fp8 configurations' module-name parts kept in bf16, comma list (precision.fp8_keep)")
     p.add_argument("--compile-scope", default="block", choices=COMPILE_SCOPES,
                    help="what +compile compiles: each block whole, or its MLP and norms only")
     p.add_argument("--no-local-mfu", action="store_true")
@@ -96,11 +98,12 @@ def _batches(data, users: int, steps: int, order: str, seed: int, manager):
 
 
 def build(config: str, model_cfg: ModelConfig, manager, device, seed: int, fp8_matmul: str = "auto",
-          compile_scope: str = "block", fp8_fused_mlp: bool = False):
+          compile_scope: str = "block", fp8_fused_mlp: bool = False, fp8_keep: tuple[str, ...] = ("router", "head")):
     """(model-like object with .loss(batch) and .parameters(), the GemModel inside, description).
 
-    ``fp8_matmul`` is the ``fp8`` configurations' GEMM backend (``precision.fp8_matmul``) and
-    ``fp8_fused_mlp`` whether their MLPs are fused with their casts (``precision.fp8_fused_mlp``);
+    ``fp8_matmul`` is the ``fp8`` configurations' GEMM backend (``precision.fp8_matmul``),
+    ``fp8_fused_mlp`` whether their MLPs are fused with their casts (``precision.fp8_fused_mlp``)
+    and ``fp8_keep`` the module-name parts they keep in bf16 (``precision.fp8_keep``);
     ``compile_scope`` what ``+compile`` compiles (:data:`COMPILE_SCOPES`)."""
     if compile_scope not in COMPILE_SCOPES:
         raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {compile_scope!r}")
@@ -115,7 +118,8 @@ def build(config: str, model_cfg: ModelConfig, manager, device, seed: int, fp8_m
     model = GemModel(model_cfg, attention)
     precision_name = PRECISIONS.get(peer, "bf16")
     policy = manager.resolve("precision", precision_name).factory(
-        PrecisionConfig(impl=precision_name, fp8_matmul=fp8_matmul, fp8_fused_mlp=fp8_fused_mlp))
+        PrecisionConfig(impl=precision_name, fp8_matmul=fp8_matmul, fp8_fused_mlp=fp8_fused_mlp,
+                        fp8_keep=list(fp8_keep)))
     if config == "padded":
         from gemcore.bench.padded import PaddedGemModel
 
@@ -133,9 +137,10 @@ def build(config: str, model_cfg: ModelConfig, manager, device, seed: int, fp8_m
 
 
 def train_config(config, model_cfg, data, heldout, steps_idx, warmup, device, manager, seed,
-                 fp8_matmul: str = "auto", compile_scope: str = "block", fp8_fused_mlp: bool = False) -> Result:
+                 fp8_matmul: str = "auto", compile_scope: str = "block", fp8_fused_mlp: bool = False,
+                 fp8_keep: tuple[str, ...] = ("router", "head")) -> Result:
     runner, gem, policy, _ = build(config, model_cfg, manager, device, seed, fp8_matmul, compile_scope,
-                                   fp8_fused_mlp)
+                                   fp8_fused_mlp, fp8_keep)
     opt = torch.optim.AdamW(runner.parameters(), lr=1e-3, fused=device.type == "cuda")
     batches = [data.__getitems__(idx).to(device) for idx in steps_idx]
     peak = peak_flops(device)
@@ -268,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown:
         raise ValueError(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
+    fp8_keep = tuple(part.strip() for part in args.fp8_keep.split(",") if part.strip())
     manager = create_plugin_manager()
     max_len = args.max_len or WORKLOADS[args.workload]
     model_cfg = ModelConfig(num_items=args.items, hidden=args.hidden, num_heads=args.heads,
@@ -284,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             results.append(train_config(config, model_cfg, data, heldout, steps_idx, args.warmup, device,
                                         manager, seed=0, fp8_matmul=args.fp8_matmul,
-                                        fp8_fused_mlp=args.fp8_fused_mlp,
+                                        fp8_fused_mlp=args.fp8_fused_mlp, fp8_keep=fp8_keep,
                                         compile_scope=args.compile_scope))
         except Exception as exc:  # noqa: BLE001 - one failing configuration is reported, not fatal
             results.append(Result(config, error=f"{type(exc).__name__}: {str(exc)[:200]}"))
