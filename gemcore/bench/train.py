@@ -66,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the fp8 configurations' module-name parts kept in bf16, comma list (precision.fp8_keep)")
     p.add_argument("--compile-scope", default="block", choices=COMPILE_SCOPES,
                    help="what +compile compiles: each block whole, or its MLP and norms only")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile two timed steps per configuration: GPU kernel time by kind (CUDA only)")
     p.add_argument("--no-local-mfu", action="store_true")
     p.add_argument("--json", action="store_true")
 
@@ -80,6 +82,7 @@ class Result:
     heldout_loss: float = float("nan")
     syncs_per_step: float | None = None
     step_ms: float = 0.0
+    gpu_ms_by_kind: dict | None = None
     error: str = ""
 
 
@@ -138,7 +141,7 @@ def build(config: str, model_cfg: ModelConfig, manager, device, seed: int, fp8_m
 
 def train_config(config, model_cfg, data, heldout, steps_idx, warmup, device, manager, seed,
                  fp8_matmul: str = "auto", compile_scope: str = "block", fp8_fused_mlp: bool = False,
-                 fp8_keep: tuple[str, ...] = ("router", "head")) -> Result:
+                 fp8_keep: tuple[str, ...] = ("router", "head"), profile: bool = False) -> Result:
     runner, gem, policy, _ = build(config, model_cfg, manager, device, seed, fp8_matmul, compile_scope,
                                    fp8_fused_mlp, fp8_keep)
     opt = torch.optim.AdamW(runner.parameters(), lr=1e-3, fused=device.type == "cuda")
@@ -174,6 +177,10 @@ def train_config(config, model_cfg, data, heldout, steps_idx, warmup, device, ma
     result.syncs_per_step = count_syncs(step, timed[:2], device)
     with torch.no_grad(), policy.autocast(device.type):
         result.heldout_loss = float(runner.loss(heldout.to(device)))
+    if profile and device.type == "cuda":
+        from gemcore.bench.step_profile import profile_steps
+
+        result.gpu_ms_by_kind = profile_steps(lambda: [step(b) for b in timed[:2]], len(timed[:2]))
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
@@ -291,6 +298,7 @@ def run(args: argparse.Namespace) -> int:
             results.append(train_config(config, model_cfg, data, heldout, steps_idx, args.warmup, device,
                                         manager, seed=0, fp8_matmul=args.fp8_matmul,
                                         fp8_fused_mlp=args.fp8_fused_mlp, fp8_keep=fp8_keep,
+                                        profile=args.profile,
                                         compile_scope=args.compile_scope))
         except Exception as exc:  # noqa: BLE001 - one failing configuration is reported, not fatal
             results.append(Result(config, error=f"{type(exc).__name__}: {str(exc)[:200]}"))
@@ -341,6 +349,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r['config']:15s} {r['tokens_per_s']:11,.0f} {r['samples_per_s']:10,.1f} {mfu:>7s} "
               f"{r['step_ms']:8.1f} {r['peak_mem_gb']:7.1f} {r['heldout_loss']:8.4f} {dl:>7s} {sp:>6s} {bp:>6s} "
               f"{xb:>6s} {sy:>6s}")
+    profiled = [r for r in report["results"] if not r["error"] and r["gpu_ms_by_kind"]]
+    if profiled:
+        from gemcore.bench.step_profile import format_breakdown
+
+        print("GPU kernel time per step by kind, ms (torch.profiler, two timed steps; the step's timed mean beside):")
+        for r in profiled:
+            print(f"  {r['config']:15s} {format_breakdown(r['gpu_ms_by_kind'], r['step_ms'])}")
     if local:
         print("local MFU (bf16, one block's layer alone, fwd+bwd; calls back to back, and on the GPU alone):")
         for row in local:

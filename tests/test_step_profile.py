@@ -1,0 +1,47 @@
+"""The training step's GPU time by kind of kernel (gem bench train --profile): the name rules and the sums."""
+import pytest
+
+from gemcore.bench.step_profile import format_breakdown, gpu_ms_by_kind, kernel_kind
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("_jagged_attn_fwd_hopper", "attention"),
+    ("_jagged_attn_bwd_dkdv", "attention"),
+    ("_work_list_kernel", "attention"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>", "attention"),
+    ("triton_tem_fused_flex_attention_0", "attention"),
+    ("_fp8_block_cast", "fp8 casts"),
+    ("_swiglu_cast", "fp8 casts"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+    ("nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_NNT", "gemm"),
+    ("_fp8_block_mm", "gemm"),
+    ("void at::native::(anonymous namespace)::fused_adamw_kernel<float>", "optimizer"),
+    ("void at::native::multi_tensor_apply_kernel<TensorListMetadata<4>>", "optimizer"),
+    ("triton_poi_fused__to_copy_add_mul_0", "compiled elementwise"),
+    ("triton_red_fused_mean_pow_1", "compiled elementwise"),
+    ("triton_per_fused_add_2", "compiled elementwise"),
+    ("void at::native::indexSelectLargeIndex<float, long, unsigned int, 2, 2, -2, true>", "embedding"),
+    ("void at::native::(anonymous namespace)::embedding_backward_feature_kernel<float>", "embedding"),
+    ("Memset (Device)", "copy and fill"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "copy and fill"),
+    ("void at::native::reduce_kernel<512, 1>", "other"),
+])
+def test_kernel_names_sort_into_kinds(name, kind):
+    assert kernel_kind(name) == kind
+
+
+def test_breakdown_sums_per_step_largest_first():
+    kernels = [("nvjet_gemm_a", 3000.0), ("_jagged_attn_fwd_hopper", 1000.0), ("nvjet_gemm_b", 1000.0),
+               ("triton_poi_fused_add_0", 2000.0), ("reduce_kernel", 500.0)]
+    out = gpu_ms_by_kind(kernels, steps=2)
+    assert list(out) == ["gemm", "compiled elementwise", "attention", "other", "total"]
+    assert out["gemm"] == pytest.approx(2.0) and out["attention"] == pytest.approx(0.5)
+    assert out["total"] == pytest.approx(3.75)
+    line = format_breakdown(out, step_ms=5.0)
+    assert line.startswith("GPU busy 3.8 ms (75 % of the 5.0 ms step)") and "gemm 2.0" in line
+    assert "total" not in line
+
+
+def test_breakdown_refuses_no_steps():
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        gpu_ms_by_kind([], steps=0)
