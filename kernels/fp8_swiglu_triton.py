@@ -47,36 +47,44 @@ def _swiglu_cast(gu_ptr, dh_ptr, rdata_ptr, rscale_ptr, cdata_ptr, cscale_ptr, M
                  stride_csc, BACKWARD: tl.constexpr, BLOCK_R: tl.constexpr, SOFT_ROUND: tl.constexpr):
     """One (BLOCK_R = 128, 128) tile of the output (h, or d(gu)) per program, cast into 1x128
     blocks along its rows (rdata (R_PAD, C_PAD), rscale[r, cb]) and 128x1 blocks along its
-    columns, written transposed (cdata (C_PAD, R_PAD), cscale[c, rb])."""
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
+    columns, written transposed (cdata (C_PAD, R_PAD), cscale[c, rb]).
+
+    One-dimensional grid, column tiles varying fastest, so that programs launched together share
+    rows (C_PAD // 128 column tiles per row tile). Backward, column tile p is the gate tile (p
+    even) or the up tile (p odd) of the same 128 features: the two read the same g and dh tiles,
+    so the second reads them from L2, and the up tile does not read u."""
+    n_col_tiles = C_PAD // 128
+    pid_c = tl.program_id(0) % n_col_tiles
+    pid_r = tl.program_id(0) // n_col_tiles
     r = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    c = (pid_c * 128 + tl.arange(0, 128)).to(tl.int64)
-    if BACKWARD:  # output column c of d(gu): the gate half (c < F) or the up half
-        up_half = pid_c * 128 >= F
-        f = tl.where(up_half, c - F, c)
-    else:
-        f = c
     mask = r[:, None] < M  # the grid covers the columns exactly (F is a multiple of 128)
     row = r[:, None] * stride_gm
-    g = tl.load(gu_ptr + row + f[None, :] * stride_gc, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + row + (f[None, :] + F) * stride_gc, mask=mask, other=0.0).to(tl.float32)
-    s = 1.0 / (1.0 + tl.exp(-g))
-    if BACKWARD:
+    if BACKWARD:  # output column c of d(gu): the gate half (c < F) or the up half
+        up_half = pid_c % 2 == 1
+        f = ((pid_c // 2) * 128 + tl.arange(0, 128)).to(tl.int64)
+        c = tl.where(up_half, f + F, f)
+        g = tl.load(gu_ptr + row + f[None, :] * stride_gc, mask=mask, other=0.0).to(tl.float32)
+        s = 1.0 / (1.0 + tl.exp(-g))
         dh = tl.load(dh_ptr + r[:, None] * stride_dm + f[None, :] * stride_dc, mask=mask,
                      other=0.0).to(tl.float32)
-        if up_half:
+        if up_half:  # d(u) = dh * silu(g): u is not read
             value = dh * (g * s)
         else:
+            u = tl.load(gu_ptr + row + (f[None, :] + F) * stride_gc, mask=mask, other=0.0).to(tl.float32)
             value = dh * u * (s * (1.0 + g * (1.0 - s)))
+        c_tile = tl.where(up_half, F // 128 + pid_c // 2, pid_c // 2)
     else:
-        value = g * s * u
+        c = (pid_c * 128 + tl.arange(0, 128)).to(tl.int64)
+        g = tl.load(gu_ptr + row + c[None, :] * stride_gc, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row + (c[None, :] + F) * stride_gc, mask=mask, other=0.0).to(tl.float32)
+        value = g * (1.0 / (1.0 + tl.exp(-g))) * u
+        c_tile = pid_c
     x = _to_bf16(value, SOFT_ROUND)
     bits = x.to(tl.int16, bitcast=True) & 0x7FFF
     row_byte = _block_byte(_amax_bits(bits, 1, True))  # (BLOCK_R,)
     tl.store(rdata_ptr + r[:, None] * C_PAD + c[None, :], _e4m3(x, row_byte[:, None], SOFT_ROUND),
              mask=r[:, None] < R_PAD)
-    tl.store(rscale_ptr + r * stride_rsr + pid_c * stride_rsc, _scale_value(row_byte), mask=r < R_PAD)
+    tl.store(rscale_ptr + r * stride_rsr + c_tile * stride_rsc, _scale_value(row_byte), mask=r < R_PAD)
     col_byte = _block_byte(_amax_bits(bits, 0, True))  # (128,)
     tl.store(cdata_ptr + c[None, :] * R_PAD + r[:, None], _e4m3(x, col_byte[None, :], SOFT_ROUND))
     tl.store(cscale_ptr + c * stride_csr + pid_r * stride_csc, _scale_value(col_byte))
@@ -110,7 +118,7 @@ def swiglu_cast_triton(gu: torch.Tensor, dh: torch.Tensor | None = None, *,
     cscale = torch.empty((m_pad // BLOCK, n), dtype=torch.float32, device=dev).t()
     if m_pad:
         d = dh if dh is not None else gu
-        grid = (m_pad // SWIGLU_TILE["BLOCK_R"], n // BLOCK)
+        grid = (n // BLOCK * (m_pad // SWIGLU_TILE["BLOCK_R"]),)
         _swiglu_cast[grid](gu, d, rows.view(torch.uint8), rscale, cols.view(torch.uint8), cscale, M, F,
                            m_pad, n, *gu.stride(), *d.stride(), *rscale.stride(), *cscale.stride(),
                            BACKWARD=dh is not None, SOFT_ROUND=soft_round, **SWIGLU_TILE)

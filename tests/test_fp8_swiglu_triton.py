@@ -27,7 +27,7 @@ from gemcore.kernels.fp8_swiglu import swiglu_backward_reference, swiglu_referen
 from gemcore.kernels.fp8_swiglu_triton import swiglu_cast_triton  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
-SHAPES = [(130, 128), (1, 256), (0, 128)] if INTERPRET else [(4096 + 17, 1024), (1, 256), (0, 128)]
+SHAPES = [(130, 256), (1, 128), (0, 128)] if INTERPRET else [(4096 + 17, 1024), (1, 256), (0, 128)]
 
 
 def _inputs(M: int, F: int, kind: str, seed: int = 0):
