@@ -466,6 +466,25 @@ def _weight_pair(weight: torch.Tensor, cfg: FP8BlockConfig) -> tuple[BlockFP8, B
     return quantize_weight(weight.detach(), pad=True, backend=cfg.cast)
 
 
+def layer_gemm_keys(weight_shape: tuple[int, int]) -> list[tuple[int, int] | None]:
+    """The 128x128 operands' blocks of a linear layer's three GEMMs, as ``auto`` keys its choices:
+    forward (W: (N/128, K/128), padded), dgrad (Wᵀ: (K/128, N/128)), wgrad (None: 1x128 only)."""
+    n_blocks, k_blocks = -(-weight_shape[0] // BLOCK), -(-weight_shape[1] // BLOCK)
+    return [(n_blocks, k_blocks), (k_blocks, n_blocks), None]
+
+
+def learn_device(device: torch.device, matmul: str, weight_shape: tuple[int, int]) -> None:
+    """Ask a CUDA ``device`` now what an FP8 layer of ``weight_shape`` (N, K) will need: its compute
+    capability, cuBLAS's scale layout and, for ``matmul="auto"`` on a generation ``auto`` covers,
+    the backend of each of its three GEMMs. The answers are cached, so a compiled graph reads
+    them; asked while torch.compile traces, the probes would break the graph at every layer."""
+    cap = _capability(device)
+    _cublas_takes_padded_scales(device)
+    if matmul == "auto" and cap in AUTO_CUDA_MATMUL:
+        for key in layer_gemm_keys(weight_shape):
+            resolve_matmul_backend("auto", device, key)
+
+
 class _FP8BlockLinearFunction(torch.autograd.Function):
     """out = x W^T with every GEMM in block-scaled FP8.
 
@@ -550,13 +569,11 @@ class FP8BlockLinear(nn.Linear):
         return module
 
     def _learn_device(self) -> None:
-        """Ask the weight's CUDA device, eagerly, what the GEMM backends need to know (compute
-        capability, cuBLAS's scale layout): cached, so torch.compile later reads the answers
-        instead of breaking its graph at the probe."""
+        """Ask the weight's CUDA device, eagerly, what the GEMM backends need to know
+        (:func:`learn_device`), so torch.compile later reads cached answers."""
         weight = getattr(self, "weight", None)
         if isinstance(weight, torch.Tensor) and weight.is_cuda:
-            _capability(weight.device)
-            _cublas_takes_padded_scales(weight.device)
+            learn_device(weight.device, self.fp8_config.matmul, tuple(weight.shape))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out_dtype = check_fp8_input(x, self.in_features, [self.weight], "FP8BlockLinear",

@@ -244,6 +244,27 @@ def test_auto_on_hopper_takes_the_first_backend_that_runs_the_gemm(monkeypatch, 
     assert fb.resolve_matmul_backend("auto", torch.device("cuda", 0), square) == want  # remembered
 
 
+def test_auto_choices_are_made_when_a_layer_lands_on_the_gpu(monkeypatch):
+    """learn_device (run when an FP8BlockLinear's weight reaches a GPU) settles auto's backend for
+    the layer's forward, dgrad and wgrad GEMMs, so torch.compile never traces the probes."""
+    monkeypatch.setattr(fb, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(fb, "_AUTO_CHOICES", {})
+    monkeypatch.setattr(fb, "_cublas_takes_padded_scales", lambda device: False)
+    monkeypatch.setattr(fb, "matmul_backend_status", lambda device: {
+        name: None for name in ("reference", "cublas", "scaled_mm", "triton")})
+    assert fb.layer_gemm_keys((3072, 1024)) == [(24, 8), (8, 24), None]
+    fb.learn_device(torch.device("cuda", 0), "auto", (3072, 1000))  # K padded: 8 blocks
+    assert fb._AUTO_CHOICES == {(0, (24, 8)): "cublas", (0, (8, 24)): "cublas", (0, None): "cublas"}
+    fb.learn_device(torch.device("cuda", 0), "auto", (384, 384))     # 3x3 blocks: cuBLAS can't take them
+    assert fb._AUTO_CHOICES[(0, (3, 3))] == "scaled_mm"
+    fb._AUTO_CHOICES.clear()
+    fb.learn_device(torch.device("cuda", 0), "cublas", (3072, 1024))  # an explicit backend: nothing to settle
+    assert fb._AUTO_CHOICES == {}
+    monkeypatch.setattr(fb, "_capability", lambda device: (8, 0))      # not covered by auto: forward says so
+    fb.learn_device(torch.device("cuda", 0), "auto", (3072, 1024))
+    assert fb._AUTO_CHOICES == {}
+
+
 def test_auto_on_hopper_with_no_runnable_backend_says_why(monkeypatch):
     monkeypatch.setattr(fb, "_capability", lambda device: (9, 0))
     monkeypatch.setattr(fb, "_AUTO_CHOICES", {})

@@ -259,13 +259,15 @@ def test_plugin_trains_on_gpu_through_fast_path():
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (compiles the cuBLAS FP8 path)")
-def test_fast_linear_compiles_as_one_graph():
+@pytest.mark.parametrize("matmul", ["cublas", "auto"])
+def test_fast_linear_compiles_as_one_graph(matmul, monkeypatch):
     """A layer moved to the GPU and then compiled whole (fullgraph: a graph break raises) computes
-    what it computes eagerly: the device probes ran when it moved, not inside the graph. (The
-    ``scaled_mm`` backend breaks the graph on torch 2.11, whose dynamo cannot trace
-    ``torch.nn.functional.scaled_mm``.)"""
+    what it computes eagerly: the device probes (and ``auto``'s choices) ran when it moved, not
+    inside the graph. (The ``scaled_mm`` backend breaks the graph on torch 2.11, whose dynamo
+    cannot trace ``torch.nn.functional.scaled_mm``.)"""
+    monkeypatch.setattr(fb, "_AUTO_CHOICES", {})
     torch.manual_seed(0)
-    layer = fb.FP8BlockLinear(512, 1024, matmul="cublas").cuda()
+    layer = fb.FP8BlockLinear(512, 1024, matmul=matmul).cuda()
     x = torch.randn(300, 512, device="cuda", requires_grad=True)
 
     def step(module):
