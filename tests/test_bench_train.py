@@ -35,7 +35,7 @@ def test_fp8_configuration_trains_and_is_compared_with_its_bf16_twin(capsys):
     parser = argparse.ArgumentParser()
     train.add_arguments(parser)
     args = parser.parse_args(["--device", "cpu", "--configs", "bf16,fp8", "--fp8-matmul", "reference",
-                              "--users", "4", "--steps", "2", "--warmup", "1", "--hidden", "128",
+                              "--users", "4", "--steps", "2", "--warmup", "1", "--repeats", "2", "--hidden", "128",
                               "--heads", "2", "--blocks", "1", "--items", "300", "--candidates", "2",
                               "--max-len", "16", "--no-local-mfu", "--json"])
     assert train.run(args) == 0
@@ -44,6 +44,31 @@ def test_fp8_configuration_trains_and_is_compared_with_its_bf16_twin(capsys):
     assert rows["bf16"]["speedup_vs_bf16"] == 1.0
     assert rows["fp8"]["speedup_vs_bf16"] > 0
     assert abs(rows["fp8"]["loss_vs_bf16"]) < 0.05
+    for row in rows.values():  # two timed passes each: the median and their spread
+        runs = row["tokens_per_s_runs"]
+        assert len(runs) == 2 and min(runs) <= row["tokens_per_s"] <= max(runs)
+        assert row["spread"] == pytest.approx((max(runs) - min(runs)) / row["tokens_per_s"])
+    assert rows["fp8"]["vs_bf16_inside_noise"] in (True, False) and rows["bf16"]["vs_bf16_inside_noise"] is None
+
+
+def test_spread_and_overlap_of_timed_passes():
+    from gemcore.bench.train import ranges_overlap, spread
+
+    assert spread([90.0, 100.0, 110.0]) == pytest.approx(0.2) and spread([100.0]) is None
+    assert ranges_overlap([90.0, 100.0], [99.0, 120.0]) is True
+    assert ranges_overlap([90.0, 95.0], [99.0, 120.0]) is False
+    assert ranges_overlap([90.0], [99.0, 120.0]) is None
+
+
+def test_repeats_must_be_positive():
+    import argparse
+
+    from gemcore.bench import train
+
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    with pytest.raises(ValueError, match="--repeats must be positive, got 0"):
+        train.run(parser.parse_args(["--device", "cpu", "--repeats", "0"]))
 
 
 def test_fp8_configuration_is_built_with_the_fp8_block_policy():

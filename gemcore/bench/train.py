@@ -15,11 +15,16 @@ MFU (model FLOPs on real tokens / time / peak), peak memory, held-out loss after
 fixed set of users, and host synchronisations per step (torch.profiler); ``x bf16`` is tokens/s over
 the bf16 configuration of the same kind (``fp8+compile`` over ``bf16+compile``). For the best gemcore
 configuration, GEM's "local MFU" table: each layer type timed alone, forward + backward.
+``--repeats N`` times the same steps N times per configuration and reports the median with the
+passes' spread, marking a ratio whose configurations' passes overlap (inside the noise);
+``--profile`` adds each configuration's GPU kernel time per step by kind
+(:mod:`gemcore.bench.step_profile`).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -49,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="heavytail")
     p.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed passes over the same steps per configuration: tokens/s is their median, "
+                        "and the spread of the passes says which ratios are inside the run-to-run noise")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--users", type=int, default=64, help="users (samples) per step")
     p.add_argument("--max-len", type=int, default=0, help="override the workload's max history length")
@@ -83,6 +91,7 @@ class Result:
     syncs_per_step: float | None = None
     step_ms: float = 0.0
     gpu_ms_by_kind: dict | None = None
+    tokens_per_s_runs: list | None = None  # one per timed pass (--repeats)
     error: str = ""
 
 
@@ -141,7 +150,8 @@ def build(config: str, model_cfg: ModelConfig, manager, device, seed: int, fp8_m
 
 def train_config(config, model_cfg, data, heldout, steps_idx, warmup, device, manager, seed,
                  fp8_matmul: str = "auto", compile_scope: str = "block", fp8_fused_mlp: bool = False,
-                 fp8_keep: tuple[str, ...] = ("router", "head"), profile: bool = False) -> Result:
+                 fp8_keep: tuple[str, ...] = ("router", "head"), profile: bool = False,
+                 repeats: int = 1) -> Result:
     runner, gem, policy, _ = build(config, model_cfg, manager, device, seed, fp8_matmul, compile_scope,
                                    fp8_fused_mlp, fp8_keep)
     opt = torch.optim.AdamW(runner.parameters(), lr=1e-3, fused=device.type == "cuda")
@@ -162,18 +172,23 @@ def train_config(config, model_cfg, data, heldout, steps_idx, warmup, device, ma
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     timed = batches[warmup:]
-    t0 = time.perf_counter()
-    for batch in timed:
-        step(batch)
-    _sync(device)
-    elapsed = time.perf_counter() - t0
+    passes = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for batch in timed:
+            step(batch)
+        _sync(device)
+        passes.append(time.perf_counter() - t0)
     tokens = sum(b.num_tokens for b in timed)
+    # the median pass's time (as tokens/s: with an even count, the mean of the middle two rates)
+    elapsed = tokens / statistics.median(tokens / t for t in passes) if tokens else statistics.median(passes)
     flops = sum(gem.flops(b.num_tokens, b.sum_sq_len) for b in timed)
     result = Result(config, tokens_per_s=tokens / elapsed,
                     samples_per_s=sum(b.batch_size for b in timed) / elapsed,
                     mfu=flops / elapsed / peak if peak else None,
                     peak_mem_gb=torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0,
-                    step_ms=1e3 * elapsed / max(1, len(timed)))
+                    step_ms=1e3 * elapsed / max(1, len(timed)),
+                    tokens_per_s_runs=[tokens / t for t in passes])
     result.syncs_per_step = count_syncs(step, timed[:2], device)
     with torch.no_grad(), policy.autocast(device.type):
         result.heldout_loss = float(runner.loss(heldout.to(device)))
@@ -264,6 +279,21 @@ def local_mfu(gem: GemModel, policy, batch, device, reps: int = 5) -> list[dict]
     return rows
 
 
+def spread(values: list[float] | None) -> float | None:
+    """(max - min) / median of ``values`` (tokens/s of the timed passes); None without two."""
+    if not values or len(values) < 2:
+        return None
+    return (max(values) - min(values)) / statistics.median(values)
+
+
+def ranges_overlap(a: list[float] | None, b: list[float] | None) -> bool | None:
+    """Whether the [min, max] ranges of two configurations' passes overlap (their ratio is then
+    inside the run-to-run noise); None unless both have two passes or more."""
+    if not a or not b or len(a) < 2 or len(b) < 2:
+        return None
+    return min(a) <= max(b) and min(b) <= max(a)
+
+
 def _bf16_twin(config: str) -> str:
     """The bf16 configuration a precision configuration is compared with: ``fp8+compile`` -> ``bf16+compile``."""
     return "bf16+compile" if config.endswith("+compile") else "bf16"
@@ -273,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA GPU is available")
-    for name in ("steps", "users", "hidden", "heads", "blocks", "items", "candidates"):
+    for name in ("steps", "users", "hidden", "heads", "blocks", "items", "candidates", "repeats"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name} must be positive, got {getattr(args, name)}")
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -298,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
             results.append(train_config(config, model_cfg, data, heldout, steps_idx, args.warmup, device,
                                         manager, seed=0, fp8_matmul=args.fp8_matmul,
                                         fp8_fused_mlp=args.fp8_fused_mlp, fp8_keep=fp8_keep,
-                                        profile=args.profile,
+                                        profile=args.profile, repeats=args.repeats,
                                         compile_scope=args.compile_scope))
         except Exception as exc:  # noqa: BLE001 - one failing configuration is reported, not fatal
             results.append(Result(config, error=f"{type(exc).__name__}: {str(exc)[:200]}"))
@@ -327,6 +357,9 @@ def run(args: argparse.Namespace) -> int:
         r["loss_vs_padded"] = ((r["heldout_loss"] / base.heldout_loss - 1) if base and not r["error"] else None)
         bf16 = by_config.get(_bf16_twin(r["config"]))
         r["speedup_vs_bf16"] = (r["tokens_per_s"] / bf16.tokens_per_s) if bf16 and not r["error"] else None
+        r["spread"] = spread(r["tokens_per_s_runs"]) if not r["error"] else None
+        r["vs_bf16_inside_noise"] = (ranges_overlap(r["tokens_per_s_runs"], bf16.tokens_per_s_runs)
+                                     if bf16 and not r["error"] and r["config"] != bf16.config else None)
         r["loss_vs_bf16"] = (r["heldout_loss"] / bf16.heldout_loss - 1) if bf16 and not r["error"] else None
     if args.json:
         print(json.dumps(report, indent=2))
@@ -334,8 +367,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"gem bench train: {report['device']}, workload {args.workload} (max_len {max_len}), "
           f"{args.users} users/step, {args.steps} timed steps; model: {args.blocks} blocks, hidden "
           f"{args.hidden}, {args.heads} heads x {args.hidden // args.heads}, {dense / 1e6:.0f}M dense params")
-    print(f"{'config':15s} {'tok/s':>11s} {'samples/s':>10s} {'MFU':>7s} {'step ms':>8s} {'mem GB':>7s} "
-          f"{'loss':>8s} {'dloss':>7s} {'x pad':>6s} {'x peer':>6s} {'x bf16':>6s} {'syncs':>6s}")
+    print(f"{'config':15s} {'tok/s':>11s} {'spread':>7s} {'samples/s':>10s} {'MFU':>7s} {'step ms':>8s} {'mem GB':>7s} "
+          f"{'loss':>8s} {'dloss':>7s} {'x pad':>6s} {'x peer':>6s} {'x bf16':>7s} {'syncs':>6s}")
     for r in report["results"]:
         if r["error"]:
             print(f"{r['config']:15s} FAILED {r['error']}")
@@ -346,9 +379,15 @@ def run(args: argparse.Namespace) -> int:
         bp = f"{r['speedup_vs_best_peer']:.2f}" if r["speedup_vs_best_peer"] else "-"
         sy = f"{r['syncs_per_step']:.1f}" if r["syncs_per_step"] is not None else "-"
         xb = f"{r['speedup_vs_bf16']:.2f}" if r["speedup_vs_bf16"] else "-"
-        print(f"{r['config']:15s} {r['tokens_per_s']:11,.0f} {r['samples_per_s']:10,.1f} {mfu:>7s} "
+        if r["vs_bf16_inside_noise"]:
+            xb += "~"
+        sd = f"{100 * r['spread']:.1f}%" if r["spread"] is not None and args.repeats > 1 else "-"
+        print(f"{r['config']:15s} {r['tokens_per_s']:11,.0f} {sd:>7s} {r['samples_per_s']:10,.1f} {mfu:>7s} "
               f"{r['step_ms']:8.1f} {r['peak_mem_gb']:7.1f} {r['heldout_loss']:8.4f} {dl:>7s} {sp:>6s} {bp:>6s} "
-              f"{xb:>6s} {sy:>6s}")
+              f"{xb:>7s} {sy:>6s}")
+    if args.repeats > 1:
+        print(f"tok/s: median of {args.repeats} timed passes; spread: (max - min) / median of the passes; "
+              f"~: the passes of the two configurations overlap (inside the run-to-run noise)")
     profiled = [r for r in report["results"] if not r["error"] and r["gpu_ms_by_kind"]]
     if profiled:
         from gemcore.bench.step_profile import format_breakdown
