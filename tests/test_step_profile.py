@@ -45,3 +45,29 @@ def test_breakdown_sums_per_step_largest_first():
 def test_breakdown_refuses_no_steps():
     with pytest.raises(ValueError, match="steps must be >= 1"):
         gpu_ms_by_kind([], steps=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (profiles CUDA kernels)")
+def test_profile_of_real_steps_sorts_their_kernels():
+    """A step with a GEMM, an elementwise op and a fused AdamW: their kernels land in those kinds,
+    and the per-step sum is the profiled kernel time over the steps."""
+    import torch
+
+    from gemcore.bench.step_profile import profile_steps
+
+    w = torch.nn.Parameter(torch.randn(1024, 1024, device="cuda"))
+    opt = torch.optim.AdamW([w], fused=True)
+    x = torch.randn(2048, 1024, device="cuda")
+
+    def steps():
+        for _ in range(3):
+            (x @ w).relu().sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    steps()
+    torch.cuda.synchronize()
+    out = profile_steps(steps, 3)
+    assert out["gemm"] > 0 and out["optimizer"] > 0
+    assert out["total"] == pytest.approx(sum(v for kind, v in out.items() if kind != "total"))
