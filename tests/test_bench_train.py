@@ -60,7 +60,7 @@ def test_spread_and_overlap_of_timed_passes():
     assert ranges_overlap([90.0], [99.0, 120.0]) is None
 
 
-def test_repeats_must_be_positive():
+def test_bad_repeats_and_profile_are_named():
     import argparse
 
     from gemcore.bench import train
@@ -69,6 +69,8 @@ def test_repeats_must_be_positive():
     train.add_arguments(parser)
     with pytest.raises(ValueError, match="--repeats must be positive, got 0"):
         train.run(parser.parse_args(["--device", "cpu", "--repeats", "0"]))
+    with pytest.raises(ValueError, match="--profile profiles CUDA kernels: it needs --device cuda"):
+        train.run(parser.parse_args(["--device", "cpu", "--profile"]))
 
 
 def test_fp8_configuration_is_built_with_the_fp8_block_policy():

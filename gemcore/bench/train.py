@@ -303,6 +303,8 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA GPU is available")
+    if args.profile and device.type != "cuda":
+        raise ValueError("--profile profiles CUDA kernels: it needs --device cuda")
     for name in ("steps", "users", "hidden", "heads", "blocks", "items", "candidates", "repeats"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name} must be positive, got {getattr(args, name)}")
@@ -392,7 +394,7 @@ def run(args: argparse.Namespace) -> int:
     if profiled:
         from gemcore.bench.step_profile import format_breakdown
 
-        print("GPU kernel time per step by kind, ms (torch.profiler, two timed steps; the step's timed mean beside):")
+        print("GPU kernel time per step by kind, ms (torch.profiler, two timed steps; beside the timed step):")
         for r in profiled:
             print(f"  {r['config']:15s} {format_breakdown(r['gpu_ms_by_kind'], r['step_ms'])}")
     if local:
