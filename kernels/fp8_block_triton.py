@@ -131,7 +131,7 @@ def _fp8_block_cast(x_ptr, rdata_ptr, rscale_ptr, cdata_ptr, cscale_ptr, R, C, R
 
 
 #: rows-only casts take 32-row tiles (more programs); 128x1 blocks need 128 rows: rows + columns of
-#: a bf16 128x128 tile with 8 warps run at 86-89 % of the copy limit on an H100, 4 warps at 65-77 %
+#: a bf16 128x128 tile with 8 warps run at 75-89 % of the copy limit on an H100, 4 warps at 65-77 %
 #: (GPU time from CUDA-graph replays, 17,255 and 24,576 rows; docs/fp8.md); the weight cast keeps
 #: 8 warps (its transposed-store workaround was verified with them)
 ROWS_TILE = dict(BLOCK_R=32, num_warps=4)
