@@ -71,6 +71,8 @@ def test_bad_repeats_and_profile_are_named():
         train.run(parser.parse_args(["--device", "cpu", "--repeats", "0"]))
     with pytest.raises(ValueError, match="--profile profiles CUDA kernels: it needs --device cuda"):
         train.run(parser.parse_args(["--device", "cpu", "--profile"]))
+    with pytest.raises(ValueError, match="--profile-top must be a count >= 0 given with --profile, got 3 without"):
+        train.run(parser.parse_args(["--device", "cpu", "--profile-top", "3"]))
 
 
 def test_fp8_configuration_is_built_with_the_fp8_block_policy():
@@ -135,3 +137,28 @@ def test_sync_count_sees_a_blocking_read_and_not_the_profiler():
     batches = [0, 1, 2]
     assert count_syncs(lambda b: x.mul_(1.0), batches, x.device) == 0
     assert count_syncs(lambda b: x.sum().item(), batches, x.device) >= 1
+
+
+def test_profile_breakdown_and_top_kernels_are_printed(monkeypatch, capsys):
+    """The report prints each profiled configuration's kinds and costliest kernels (the profile
+    itself needs a GPU: here the configurations' results carry one)."""
+    import argparse
+
+    from gemcore.bench import train
+
+    def fake(config, *args, **kwargs):
+        return train.Result(config, tokens_per_s=1000.0, step_ms=10.0, tokens_per_s_runs=[1000.0],
+                            gpu_ms_by_kind={"gemm": 6.0, "attention": 2.0, "total": 8.0},
+                            top_kernels=[{"name": "nvjet_gemm", "kind": "gemm", "ms_per_step": 6.0,
+                                          "calls_per_step": 3.0, "us_per_call": 2000.0}])
+
+    monkeypatch.setattr(train, "train_config", fake)
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    args = parser.parse_args(["--device", "cpu", "--configs", "bf16", "--users", "2", "--steps", "1",
+                              "--warmup", "0", "--hidden", "32", "--heads", "2", "--blocks", "1", "--items", "300",
+                              "--candidates", "1", "--max-len", "8", "--no-local-mfu"])
+    assert train.run(args) == 0
+    out = capsys.readouterr().out
+    assert "GPU busy 8.0 ms (80 % of the 10.0 ms step) | gemm 6.0 | attention 2.0" in out
+    assert "bf16: the 1 costliest kernels" in out and "nvjet_gemm" in out

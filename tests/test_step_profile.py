@@ -1,7 +1,7 @@
 """The training step's GPU time by kind of kernel (gem bench train --profile): the name rules and the sums."""
 import pytest
 
-from gemcore.bench.step_profile import format_breakdown, gpu_ms_by_kind, kernel_kind
+from gemcore.bench.step_profile import format_breakdown, format_top, gpu_ms_by_kind, kernel_kind, top_kernels
 
 
 @pytest.mark.parametrize("name, kind", [
@@ -45,6 +45,19 @@ def test_breakdown_sums_per_step_largest_first():
 def test_breakdown_refuses_no_steps():
     with pytest.raises(ValueError, match="steps must be >= 1"):
         gpu_ms_by_kind([], steps=0)
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        top_kernels([], steps=0, n=3)
+
+
+def test_top_kernels_are_the_costliest_per_step():
+    kernels = [("triton_poi_fused_add_0", 800.0, 8), ("_swiglu_cast", 4000.0, 4), ("nvjet_gemm", 2000.0, 20)]
+    rows = top_kernels(kernels, steps=2, n=2)
+    assert [r["name"] for r in rows] == ["_swiglu_cast", "nvjet_gemm"]
+    assert rows[0] == {"name": "_swiglu_cast", "kind": "fp8 casts", "ms_per_step": pytest.approx(2.0),
+                       "calls_per_step": 2.0, "us_per_call": 1000.0}
+    assert top_kernels(kernels, steps=2, n=0) == []
+    line = format_top(rows)[1]
+    assert "1.00 ms" in line and "10.0x" in line and "100.0 us" in line and line.endswith("nvjet_gemm")
 
 
 @pytest.mark.gpu
@@ -68,6 +81,7 @@ def test_profile_of_real_steps_sorts_their_kernels():
 
     steps()
     torch.cuda.synchronize()
-    out = profile_steps(steps, 3)
+    out, top = profile_steps(steps, 3, top=2)
     assert out["gemm"] > 0 and out["optimizer"] > 0
+    assert len(top) == 2 and top[0]["ms_per_step"] >= top[1]["ms_per_step"] > 0
     assert out["total"] == pytest.approx(sum(v for kind, v in out.items() if kind != "total"))

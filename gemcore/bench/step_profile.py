@@ -1,6 +1,7 @@
 """Where a training step's GPU time goes: kernel time per step, by kind of kernel (torch.profiler).
 
-``gem bench train --profile`` prints one line per configuration, e.g.
+``gem bench train --profile`` prints one line per configuration (``--profile-top N`` adds its N
+costliest kernels), e.g.
 ``gemm 21.4 | attention 9.6 | fp8 casts 9.1 | compiled elementwise 10.6 | optimizer 7.8 | ...``
 (ms per step, summed kernel time: kernels on two streams at once count twice). Kinds are told
 apart by kernel name (:data:`KINDS`, first match wins).
@@ -47,8 +48,20 @@ def gpu_ms_by_kind(kernels: list[tuple[str, float]], steps: int) -> dict[str, fl
     return out
 
 
-def profile_steps(run: Callable[[], None], steps: int) -> dict[str, float]:
-    """:func:`gpu_ms_by_kind` of ``run()``, which runs ``steps`` training steps on a CUDA GPU."""
+def top_kernels(kernels: list[tuple[str, float, int]], steps: int, n: int) -> list[dict]:
+    """The ``n`` kernels with the most time of (kernel name, total µs, calls) recorded over
+    ``steps`` steps, the largest first: name, kind, ms and calls per step, µs per call."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    rows = sorted(kernels, key=lambda k: -k[1])[:max(0, n)]
+    return [{"name": name, "kind": kernel_kind(name), "ms_per_step": us / 1e3 / steps,
+             "calls_per_step": calls / steps, "us_per_call": us / calls if calls else 0.0}
+            for name, us, calls in rows]
+
+
+def profile_steps(run: Callable[[], None], steps: int, top: int = 0) -> tuple[dict[str, float], list[dict]]:
+    """(:func:`gpu_ms_by_kind`, :func:`top_kernels` of the ``top`` largest) of ``run()``, which
+    runs ``steps`` training steps on a CUDA GPU."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -56,9 +69,15 @@ def profile_steps(run: Callable[[], None], steps: int) -> dict[str, float]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    kernels = [(e.key, e.self_device_time_total) for e in prof.key_averages()
+    kernels = [(e.key, e.self_device_time_total, e.count) for e in prof.key_averages()
                if e.device_type == DeviceType.CUDA]
-    return gpu_ms_by_kind(kernels, steps)
+    return gpu_ms_by_kind([(name, us) for name, us, _ in kernels], steps), top_kernels(kernels, steps, top)
+
+
+def format_top(rows: list[dict]) -> list[str]:
+    """One line a kernel: ms per step, calls per step, µs per call, kind, name (cut to 90 characters)."""
+    return [f"{r['ms_per_step']:7.2f} ms {r['calls_per_step']:6.1f}x {r['us_per_call']:8.1f} us  "
+            f"{r['kind']:20s} {r['name'][:90]}" for r in rows]
 
 
 def format_breakdown(ms_by_kind: dict[str, float], step_ms: float | None = None) -> str:

@@ -76,6 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="what +compile compiles: each block whole, or its MLP and norms only")
     p.add_argument("--profile", action="store_true",
                    help="also profile two timed steps per configuration: GPU kernel time by kind (CUDA only)")
+    p.add_argument("--profile-top", type=int, default=0, metavar="N",
+                   help="with --profile: also list each configuration's N costliest kernels")
     p.add_argument("--no-local-mfu", action="store_true")
     p.add_argument("--json", action="store_true")
 
@@ -91,6 +93,7 @@ class Result:
     syncs_per_step: float | None = None
     step_ms: float = 0.0
     gpu_ms_by_kind: dict | None = None
+    top_kernels: list | None = None  # --profile-top
     tokens_per_s_runs: list | None = None  # one per timed pass (--repeats)
     error: str = ""
 
@@ -151,7 +154,7 @@ def build(config: str, model_cfg: ModelConfig, manager, device, seed: int, fp8_m
 def train_config(config, model_cfg, data, heldout, steps_idx, warmup, device, manager, seed,
                  fp8_matmul: str = "auto", compile_scope: str = "block", fp8_fused_mlp: bool = False,
                  fp8_keep: tuple[str, ...] = ("router", "head"), profile: bool = False,
-                 repeats: int = 1) -> Result:
+                 repeats: int = 1, profile_top: int = 0) -> Result:
     runner, gem, policy, _ = build(config, model_cfg, manager, device, seed, fp8_matmul, compile_scope,
                                    fp8_fused_mlp, fp8_keep)
     opt = torch.optim.AdamW(runner.parameters(), lr=1e-3, fused=device.type == "cuda")
@@ -195,7 +198,8 @@ def train_config(config, model_cfg, data, heldout, steps_idx, warmup, device, ma
     if profile and device.type == "cuda":
         from gemcore.bench.step_profile import profile_steps
 
-        result.gpu_ms_by_kind = profile_steps(lambda: [step(b) for b in timed[:2]], len(timed[:2]))
+        result.gpu_ms_by_kind, result.top_kernels = profile_steps(
+            lambda: [step(b) for b in timed[:2]], len(timed[:2]), profile_top)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
@@ -305,6 +309,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--device cuda: no CUDA GPU is available")
     if args.profile and device.type != "cuda":
         raise ValueError("--profile profiles CUDA kernels: it needs --device cuda")
+    if args.profile_top < 0 or (args.profile_top and not args.profile):
+        raise ValueError(f"--profile-top must be a count >= 0 given with --profile, got {args.profile_top}"
+                         + ("" if args.profile else " without --profile"))
     for name in ("steps", "users", "hidden", "heads", "blocks", "items", "candidates", "repeats"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name} must be positive, got {getattr(args, name)}")
@@ -331,6 +338,7 @@ def run(args: argparse.Namespace) -> int:
                                         manager, seed=0, fp8_matmul=args.fp8_matmul,
                                         fp8_fused_mlp=args.fp8_fused_mlp, fp8_keep=fp8_keep,
                                         profile=args.profile, repeats=args.repeats,
+                                        profile_top=args.profile_top,
                                         compile_scope=args.compile_scope))
         except Exception as exc:  # noqa: BLE001 - one failing configuration is reported, not fatal
             results.append(Result(config, error=f"{type(exc).__name__}: {str(exc)[:200]}"))
@@ -392,11 +400,16 @@ def run(args: argparse.Namespace) -> int:
               f"~: the passes of the two configurations overlap (inside the run-to-run noise)")
     profiled = [r for r in report["results"] if not r["error"] and r["gpu_ms_by_kind"]]
     if profiled:
-        from gemcore.bench.step_profile import format_breakdown
+        from gemcore.bench.step_profile import format_breakdown, format_top
 
         print("GPU kernel time per step by kind, ms (torch.profiler, two timed steps; beside the timed step):")
         for r in profiled:
             print(f"  {r['config']:15s} {format_breakdown(r['gpu_ms_by_kind'], r['step_ms'])}")
+        for r in profiled:
+            if r["top_kernels"]:
+                print(f"  {r['config']}: the {len(r['top_kernels'])} costliest kernels (per step)")
+                for line in format_top(r["top_kernels"]):
+                    print(f"    {line}")
     if local:
         print("local MFU (bf16, one block's layer alone, fwd+bwd; calls back to back, and on the GPU alone):")
         for row in local:
