@@ -95,3 +95,12 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="dh must be \\(4, 128\\) bfloat16"):
         swiglu_cast_triton(torch.zeros(4, 256, dtype=torch.bfloat16, device=DEVICE),
                            torch.zeros(4, 256, dtype=torch.bfloat16, device=DEVICE))
+
+
+def test_a_row_stride_past_the_32_bit_tile_offsets_is_refused():
+    """The kernel's offsets inside a tile are 32-bit: 128 rows of a stride of 2^24 elements would
+    wrap, so the wrapper refuses it by name instead of writing elsewhere."""
+    storage = torch.zeros(2**24 + 256, dtype=torch.bfloat16, device=DEVICE)
+    gu = storage.as_strided((2, 256), (2**24, 1))
+    with pytest.raises(ValueError, match="gu: at most 16,777,215 rows, and row strides below that"):
+        swiglu_cast_triton(gu)
