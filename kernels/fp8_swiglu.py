@@ -30,12 +30,12 @@ def swiglu_reference(gu: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_backward_reference(dh: torch.Tensor, gu: torch.Tensor) -> torch.Tensor:
-    """d(gu) (M, 2F) of h = silu(g) * u given dh (M, F): [dh u silu'(g), dh silu(g)], computed in
+    """d(gu) (M, 2F) of h = silu(g) * u given dh (M, F): [dh (u silu'(g)), dh silu(g)], computed in
     float32 and rounded once to bf16."""
     g, u = gu.float().chunk(2, dim=-1)
     s = torch.sigmoid(g)
     d = dh.float()
-    return torch.cat([d * u * (s * (1 + g * (1 - s))), d * (g * s)], dim=-1).to(torch.bfloat16)
+    return torch.cat([d * (u * (s * (1 + g * (1 - s)))), d * (g * s)], dim=-1).to(torch.bfloat16)
 
 
 def _swiglu_fp8(gu: torch.Tensor, dh: torch.Tensor | None, cast: str) -> tuple[BlockFP8, BlockFP8]:

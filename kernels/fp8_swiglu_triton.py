@@ -8,7 +8,7 @@ cast them straight away, so neither bf16 matrix is written or read back.
 
 * ``_swiglu_cast`` (``BACKWARD=False``): gu (M, 2F) bf16 -> h = bf16(silu(g) * u), (M, F).
 * ``_swiglu_cast`` (``BACKWARD=True``): dh (M, F) and gu -> d(gu) (M, 2F) =
-  [bf16(dh * u * silu'(g)), bf16(dh * silu(g))], silu'(g) = s (1 + g (1 - s)), s = sigmoid(g).
+  [bf16(dh * (u * silu'(g))), bf16(dh * silu(g))], silu'(g) = s (1 + g (1 - s)), s = sigmoid(g).
 
 Each value is computed in float32 from the bf16 inputs and rounded once to bf16 (what
 ``torch.compile`` computes for the unfused activation), then cast exactly as
@@ -59,7 +59,8 @@ def _swiglu_cast(gu_ptr, dh_ptr, rdata_ptr, rscale_ptr, cdata_ptr, cscale_ptr, M
     # 64-bit scalar bases, 32-bit offsets inside the tile (the wrapper bounds them): a tile of
     # 64-bit offsets takes two registers an element, and this kernel keeps up to three input tiles
     # live; compiled for sm_90 by triton 3.6 with 8 warps, the backward's spill fell from 3,416 to
-    # 128 bytes a thread, the forward's from 392 to 32 (cuobjdump --dump-resource-usage)
+    # 128 bytes a thread, the forward's from 392 to 32 (tools/kernel_resources.py); the backward
+    # then folds u into its factor before it loads dh (two float32 tiles live, not three): 16 bytes
     row0 = pid_r.to(tl.int64) * BLOCK_R
     rr = tl.arange(0, BLOCK_R)
     cc = tl.arange(0, 128)
@@ -72,13 +73,14 @@ def _swiglu_cast(gu_ptr, dh_ptr, rdata_ptr, rscale_ptr, cdata_ptr, cscale_ptr, M
         c0 = tl.where(up_half, f0 + F, f0)
         g = tl.load(g_base + f0 * stride_gc + g_off, mask=mask, other=0.0).to(tl.float32)
         s = 1.0 / (1.0 + tl.exp(-g))
+        if up_half:  # d(u) = dh * silu(g): u is not read
+            factor = g * s
+        else:
+            factor = tl.load(g_base + (f0 + F) * stride_gc + g_off, mask=mask, other=0.0).to(tl.float32) * (
+                s * (1.0 + g * (1.0 - s)))
         dh = tl.load(dh_ptr + row0 * stride_dm + f0 * stride_dc + (rr[:, None] * stride_dm + cc[None, :] * stride_dc),
                      mask=mask, other=0.0).to(tl.float32)
-        if up_half:  # d(u) = dh * silu(g): u is not read
-            value = dh * (g * s)
-        else:
-            u = tl.load(g_base + (f0 + F) * stride_gc + g_off, mask=mask, other=0.0).to(tl.float32)
-            value = dh * u * (s * (1.0 + g * (1.0 - s)))
+        value = dh * factor
         c_tile = tl.where(up_half, F // 128 + pid_c // 2, pid_c // 2)
     else:
         c0 = pid_c * 128
