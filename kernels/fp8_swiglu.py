@@ -1,8 +1,8 @@
-"""``FP8BlockSwiGLU``: a SwiGLU MLP whose four GEMMs per pass run in block-scaled FP8 and whose
-activation writes its output, and its gradient, straight into FP8.
+"""``FP8BlockSwiGLU``: a SwiGLU MLP whose six GEMMs (two forward, four backward) run in block-scaled
+FP8 and whose activation writes its output, and its gradient, straight into FP8.
 
 ```python
-mlp = FP8BlockSwiGLU.from_linears(gate_up, down, matmul="cublas")   # shares their parameters
+mlp = FP8BlockSwiGLU(gate_up, down, matmul="cublas")   # shares their parameters
 y = mlp(x)   # x (T, hidden) -> (T, hidden) = down(silu(g) * u), g, u = gate_up(x).chunk(2, -1)
 ```
 
@@ -88,7 +88,9 @@ class _FP8SwiGLUFunction(torch.autograd.Function):
 class FP8BlockSwiGLU(nn.Module):
     """``down(silu(g) * u)`` with ``g, u = gate_up(x).chunk(2, -1)``, in block-scaled FP8 with the
     activation fused into its casts. ``gate_up``: (2F, hidden), ``down``: (out, F), no biases, F a
-    multiple of 128. Keyword options as :class:`FP8BlockLinear`'s (``matmul``, ``cast``)."""
+    multiple of 128. Keyword options as :class:`FP8BlockLinear`'s (``matmul``, ``cast``): they
+    convert plain ``nn.Linear`` layers, and must agree with layers already in FP8; the module's
+    ``fp8_config`` is its layers' (one config for both)."""
 
     def __init__(self, gate_up: nn.Linear, down: nn.Linear, **options) -> None:
         super().__init__()
@@ -98,9 +100,20 @@ class FP8BlockSwiGLU(nn.Module):
         if gate_up.out_features % (2 * BLOCK) or down.in_features != gate_up.out_features // 2:
             raise ValueError(f"gate_up's out_features must be 2F with F a multiple of {BLOCK} and down's "
                              f"in_features F, got gate_up {gate_up.out_features}, down {down.in_features}")
-        self.fp8_config = FP8BlockConfig(**options)
+        wanted = FP8BlockConfig(**options)  # (checks the options)
         self.gate_up = gate_up if isinstance(gate_up, FP8BlockLinear) else FP8BlockLinear.from_linear(gate_up, **options)
         self.down = down if isinstance(down, FP8BlockLinear) else FP8BlockLinear.from_linear(down, **options)
+        for name, layer in (("gate_up", self.gate_up), ("down", self.down)):
+            if options and layer.fp8_config != wanted:
+                raise ValueError(f"{name} is an FP8BlockLinear with {layer.fp8_config}, but the options ask for {wanted}")
+        if self.gate_up.fp8_config != self.down.fp8_config:
+            raise ValueError(f"gate_up and down must share one FP8BlockConfig, got {self.gate_up.fp8_config} "
+                             f"and {self.down.fp8_config}")
+
+    @property
+    def fp8_config(self) -> FP8BlockConfig:
+        """How both layers compute (the same config)."""
+        return self.gate_up.fp8_config
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out_dtype = check_fp8_input(x, self.gate_up.in_features, [self.gate_up.weight, self.down.weight],

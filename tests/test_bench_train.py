@@ -80,7 +80,8 @@ def test_fp8_configuration_is_built_with_the_fp8_block_policy():
     from gemcore.plugin_manager import create_plugin_manager
 
     cfg = ModelConfig(hidden=128, num_heads=2, num_blocks=1, num_items=40)
-    _, gem, policy, desc = train.build("fp8", cfg, create_plugin_manager(), torch.device("cpu"), 0, "reference")
+    _, gem, policy, desc = train.build("fp8", cfg, create_plugin_manager(), torch.device("cpu"), 0,
+                                       {"fp8_matmul": "reference"})
     assert "fp8_block" in desc
     assert type(gem.blocks[0].qkv).__name__ == "FP8BlockLinear"
     assert train._bf16_twin("fp8+compile") == "bf16+compile" and train._bf16_twin("fp8") == "bf16"
@@ -92,8 +93,8 @@ def test_fp8_keep_leaves_the_named_layers_in_bf16():
     from gemcore.plugin_manager import create_plugin_manager
 
     cfg = ModelConfig(hidden=128, num_heads=2, num_blocks=1, num_items=40)
-    _, gem, policy, _ = train.build("fp8", cfg, create_plugin_manager(), torch.device("cpu"), 0, "reference",
-                                    fp8_keep=("router", "head", "qkv", "out"))
+    _, gem, policy, _ = train.build("fp8", cfg, create_plugin_manager(), torch.device("cpu"), 0,
+                                    {"fp8_matmul": "reference", "fp8_keep": ["router", "head", "qkv", "out"]})
     block = gem.blocks[0]
     assert type(block.qkv) is torch.nn.Linear and type(block.out) is torch.nn.Linear
     assert type(block.mlp.gate_up).__name__ == "FP8BlockLinear"

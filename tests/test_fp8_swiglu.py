@@ -97,6 +97,13 @@ def test_bad_input_is_named():
         FP8BlockSwiGLU(nn.Linear(128, 400, bias=False), nn.Linear(200, 128, bias=False))
     with pytest.raises(ValueError, match="matmul must be one of"):
         FP8BlockSwiGLU(gate_up, down, matmul="fast")
+    ref_gate_up = FP8BlockLinear.from_linear(gate_up, matmul="reference")
+    with pytest.raises(ValueError, match="gate_up is an FP8BlockLinear with .*matmul='reference'.* but the options ask"):
+        FP8BlockSwiGLU(ref_gate_up, down, matmul="cublas")
+    with pytest.raises(ValueError, match="gate_up and down must share one FP8BlockConfig"):
+        FP8BlockSwiGLU(ref_gate_up, FP8BlockLinear.from_linear(down, matmul="triton"))
+    both = FP8BlockSwiGLU(ref_gate_up, down, matmul="reference")  # down converted with the same options
+    assert both.fp8_config == both.down.fp8_config == ref_gate_up.fp8_config
     fused = FP8BlockSwiGLU(gate_up, down, matmul="reference")
     with pytest.raises(ValueError, match="x: last dimension must be in_features=128"):
         fused(torch.randn(4, 64))

@@ -112,14 +112,13 @@ def _batches(data, users: int, steps: int, order: str, seed: int, manager):
     return [next(it) for _ in range(steps)], name
 
 
-def build(config: str, model_cfg: ModelConfig, manager, device, seed: int, fp8_matmul: str = "auto",
-          compile_scope: str = "block", fp8_fused_mlp: bool = False, fp8_keep: tuple[str, ...] = ("router", "head")):
+def build(config: str, model_cfg: ModelConfig, manager, device, seed: int, fp8: dict | None = None,
+          compile_scope: str = "block"):
     """(model-like object with .loss(batch) and .parameters(), the GemModel inside, description).
 
-    ``fp8_matmul`` is the ``fp8`` configurations' GEMM backend (``precision.fp8_matmul``),
-    ``fp8_fused_mlp`` whether their MLPs are fused with their casts (``precision.fp8_fused_mlp``)
-    and ``fp8_keep`` the module-name parts they keep in bf16 (``precision.fp8_keep``);
-    ``compile_scope`` what ``+compile`` compiles (:data:`COMPILE_SCOPES`)."""
+    ``fp8``: the ``fp8`` configurations' :class:`PrecisionConfig` fields (``fp8_matmul``,
+    ``fp8_fused_mlp``, ``fp8_keep``; defaults where absent); ``compile_scope`` what ``+compile``
+    compiles (:data:`COMPILE_SCOPES`)."""
     if compile_scope not in COMPILE_SCOPES:
         raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {compile_scope!r}")
     torch.manual_seed(seed)
@@ -133,8 +132,7 @@ def build(config: str, model_cfg: ModelConfig, manager, device, seed: int, fp8_m
     model = GemModel(model_cfg, attention)
     precision_name = PRECISIONS.get(peer, "bf16")
     policy = manager.resolve("precision", precision_name).factory(
-        PrecisionConfig(impl=precision_name, fp8_matmul=fp8_matmul, fp8_fused_mlp=fp8_fused_mlp,
-                        fp8_keep=list(fp8_keep)))
+        PrecisionConfig(impl=precision_name, **(fp8 or {})))
     if config == "padded":
         from gemcore.bench.padded import PaddedGemModel
 
@@ -152,11 +150,9 @@ def build(config: str, model_cfg: ModelConfig, manager, device, seed: int, fp8_m
 
 
 def train_config(config, model_cfg, data, heldout, steps_idx, warmup, device, manager, seed,
-                 fp8_matmul: str = "auto", compile_scope: str = "block", fp8_fused_mlp: bool = False,
-                 fp8_keep: tuple[str, ...] = ("router", "head"), profile: bool = False,
+                 fp8: dict | None = None, compile_scope: str = "block", profile: bool = False,
                  repeats: int = 1, profile_top: int = 0) -> Result:
-    runner, gem, policy, _ = build(config, model_cfg, manager, device, seed, fp8_matmul, compile_scope,
-                                   fp8_fused_mlp, fp8_keep)
+    runner, gem, policy, _ = build(config, model_cfg, manager, device, seed, fp8, compile_scope)
     opt = torch.optim.AdamW(runner.parameters(), lr=1e-3, fused=device.type == "cuda")
     batches = [data.__getitems__(idx).to(device) for idx in steps_idx]
     peak = peak_flops(device)
@@ -183,15 +179,15 @@ def train_config(config, model_cfg, data, heldout, steps_idx, warmup, device, ma
         _sync(device)
         passes.append(time.perf_counter() - t0)
     tokens = sum(b.num_tokens for b in timed)
-    # the median pass's time (as tokens/s: with an even count, the mean of the middle two rates)
-    elapsed = tokens / statistics.median(tokens / t for t in passes) if tokens else statistics.median(passes)
+    rates = [tokens / t for t in passes]  # tokens/s of each pass; the result is their median
+    elapsed = tokens / statistics.median(rates) if tokens else statistics.median(passes)
     flops = sum(gem.flops(b.num_tokens, b.sum_sq_len) for b in timed)
     result = Result(config, tokens_per_s=tokens / elapsed,
                     samples_per_s=sum(b.batch_size for b in timed) / elapsed,
                     mfu=flops / elapsed / peak if peak else None,
                     peak_mem_gb=torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0,
                     step_ms=1e3 * elapsed / max(1, len(timed)),
-                    tokens_per_s_runs=[tokens / t for t in passes])
+                    tokens_per_s_runs=rates)
     result.syncs_per_step = count_syncs(step, timed[:2], device)
     with torch.no_grad(), policy.autocast(device.type):
         result.heldout_loss = float(runner.loss(heldout.to(device)))
@@ -319,7 +315,8 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown:
         raise ValueError(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
-    fp8_keep = tuple(part.strip() for part in args.fp8_keep.split(",") if part.strip())
+    fp8 = {"fp8_matmul": args.fp8_matmul, "fp8_fused_mlp": args.fp8_fused_mlp,
+           "fp8_keep": [part.strip() for part in args.fp8_keep.split(",") if part.strip()]}
     manager = create_plugin_manager()
     max_len = args.max_len or WORKLOADS[args.workload]
     model_cfg = ModelConfig(num_items=args.items, hidden=args.hidden, num_heads=args.heads,
@@ -335,9 +332,7 @@ def run(args: argparse.Namespace) -> int:
         steps_idx, order_used[config] = _batches(data, args.users, total_steps, order, 0, manager)
         try:
             results.append(train_config(config, model_cfg, data, heldout, steps_idx, args.warmup, device,
-                                        manager, seed=0, fp8_matmul=args.fp8_matmul,
-                                        fp8_fused_mlp=args.fp8_fused_mlp, fp8_keep=fp8_keep,
-                                        profile=args.profile, repeats=args.repeats,
+                                        manager, seed=0, fp8=fp8, profile=args.profile, repeats=args.repeats,
                                         profile_top=args.profile_top,
                                         compile_scope=args.compile_scope))
         except Exception as exc:  # noqa: BLE001 - one failing configuration is reported, not fatal

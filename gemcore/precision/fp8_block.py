@@ -66,7 +66,7 @@ class FP8BlockPrecisionPolicy(AutocastPolicy):
         model = convert_to_fp8_block(model, filter_fn=self.wants, matmul=self.fp8_config.matmul)
         self.converted = [name for name, m in model.named_modules() if isinstance(m, FP8BlockLinear)]
         if self.fused_mlp:
-            self.fused_mlps = fuse_swiglu_mlps(model, matmul=self.fp8_config.matmul)
+            self.fused_mlps = fuse_swiglu_mlps(model)
             log.info("fp8_block: %d SwiGLU MLPs fused with their FP8 casts", len(self.fused_mlps))
         log.info("fp8_block: %d linear layers in block-scaled FP8 (matmul=%s)", len(self.converted),
                  self.fp8_config.matmul)
@@ -86,10 +86,11 @@ def make_fp8_block_policy(config: Any) -> FP8BlockPrecisionPolicy:
                                    fsdp_all_gather=opts["fp8_fsdp_all_gather"], fused_mlp=opts["fp8_fused_mlp"])
 
 
-def fuse_swiglu_mlps(model: nn.Module, **options) -> list[str]:
+def fuse_swiglu_mlps(model: nn.Module) -> list[str]:
     """Replace each :class:`gemcore.model.MLP` of ``model`` whose two layers are FP8BlockLinear
-    (and whose inner size is a multiple of 128) by an FP8BlockSwiGLU sharing its parameters; the
-    names of those replaced. The others keep their FP8 layers and unfused activation."""
+    (and whose inner size is a multiple of 128) by an FP8BlockSwiGLU sharing its parameters and
+    its layers' FP8 config; the names of those replaced. The others keep their FP8 layers and
+    unfused activation."""
     from gemcore.kernels.fp8_block import BLOCK
     from gemcore.kernels.fp8_swiglu import FP8BlockSwiGLU
     from gemcore.model import MLP
@@ -99,6 +100,6 @@ def fuse_swiglu_mlps(model: nn.Module, **options) -> list[str]:
         for child_name, child in list(parent.named_children()):
             if (type(child) is MLP and isinstance(child.gate_up, FP8BlockLinear)
                     and isinstance(child.down, FP8BlockLinear) and child.down.in_features % BLOCK == 0):
-                setattr(parent, child_name, FP8BlockSwiGLU(child.gate_up, child.down, **options))
+                setattr(parent, child_name, FP8BlockSwiGLU(child.gate_up, child.down))
                 fused.append(f"{fqn}.{child_name}" if fqn else child_name)
     return fused
