@@ -143,8 +143,9 @@ class GemModel(nn.Module):
         return self.score(x[cand_pos], cand_item)
 
     def loss(self, batch: JaggedBatch) -> torch.Tensor:
-        """Mean binary cross-entropy over the batch's candidates (0 for an empty batch)."""
-        return click_loss(self(batch), batch.labels)
+        """Mean binary cross-entropy over the batch's candidates, weighted by ``batch.label_weights``
+        when present (0 for an empty batch)."""
+        return click_loss(self(batch), batch.labels, batch.label_weights)
 
     def dense_parameters(self) -> int:
         """Parameters touched by every token (embedding tables excluded), for FLOP counting."""
@@ -167,9 +168,16 @@ class GemModel(nn.Module):
         return 6.0 * per_token * num_tokens + 3.0 * attention_fwd
 
 
-def click_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean binary cross-entropy of logits (C,) against click labels (C,), in float32; 0 when C = 0."""
-    return F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="sum") / max(labels.numel(), 1)
+def click_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean binary cross-entropy of logits (C,) against click labels (C,), in float32; 0 when C = 0.
+
+    weights: (C,) per-candidate weights, or None for all 1; the mean is then
+    sum(weights * bce) / sum(weights), 0 when the weights sum to 0 (computed on device, no sync).
+    """
+    if weights is None:
+        return F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="sum") / max(labels.numel(), 1)
+    total = (F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="none") * weights).sum()
+    return total / weights.sum().clamp_min(torch.finfo(torch.float32).tiny)
 
 
 def merge_history_and_candidates(hist, offsets, cand, cand_offsets):

@@ -346,7 +346,7 @@ class Trainer:
         else:
             with self.parts.precision.autocast(self.device.type):
                 # through the (possibly wrapped) model's forward, so DDP/FSDP hooks see it
-                loss = click_loss(self.model(batch), batch.labels)
+                loss = click_loss(self.model(batch), batch.labels, batch.label_weights)
             self.optimizer.zero_grad(set_to_none=True)
             self.scaler.scale(loss).backward()
         grad_norm = None

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from gemcore.bench.timing import queued_gpu_ms
+from gemcore.cuda_graphs import GraphedTrainStep
 from gemcore.config import AttentionConfig, ModelConfig, PrecisionConfig
 from gemcore.data import make_synthetic
 from gemcore.data.workloads import WORKLOAD_MAX_LEN
@@ -42,12 +43,27 @@ from gemcore.plugin_manager import create_plugin_manager
 WORKLOADS = {name: WORKLOAD_MAX_LEN[name] for name in ("heavytail", "dense95")}  #: workload -> longest history
 CONFIGS = ("padded", "bf16", "mxfp8", "fp8", "bf16+compile", "mxfp8+compile", "fp8+compile",
            "varlen", "varlen+compile", "flex", "flex+compile")
+#: what a configuration's name may add after its kind, in this order: torch.compile, then CUDA graphs
+#: (``+graphs``: each step replayed as a CUDA graph per padded batch shape, :mod:`gemcore.cuda_graphs`)
+SUFFIXES = ("compile", "graphs")
 #: precision policy of each configuration's name before "+" (bf16 for the rest)
 PRECISIONS = {"mxfp8": "mxfp8", "fp8": "fp8_block"}
 #: configurations whose attention is a torch-native peer (attention impl = the name before "+")
 PEERS = ("varlen", "flex")
 #: what ``+compile`` compiles: each block whole (attention inside the graph) or its MLP and norms
 COMPILE_SCOPES = ("block", "dense")
+
+
+def config_parts(config: str) -> tuple[str, tuple[str, ...]]:
+    """(kind, suffixes) of a configuration name: ``"fp8+compile+graphs"`` -> ``("fp8", ("compile", "graphs"))``.
+
+    Valid: a name of :data:`CONFIGS`, or one of them but ``padded`` with ``+graphs`` appended."""
+    base = config.removesuffix("+graphs")
+    if base not in CONFIGS or (base == "padded" and base != config):
+        raise ValueError(f"--configs: unknown {config}; choose from {', '.join(CONFIGS)}, each but padded "
+                         f"optionally with +graphs")
+    kind, *suffixes = config.split("+")
+    return kind, tuple(suffixes)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,7 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blocks", type=int, default=8)
     p.add_argument("--items", type=int, default=200_000, help="item-id vocabulary")
     p.add_argument("--candidates", type=int, default=16, help="candidates per user")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help=f"comma list of {', '.join(CONFIGS)}; any but padded may end in +graphs (CUDA only)")
     p.add_argument("--fp8-matmul", default="auto", choices=MATMUL_BACKENDS,
                    help="the fp8 configurations' GEMM backend (precision.fp8_matmul)")
     p.add_argument("--fp8-fused-mlp", action="store_true",
@@ -95,6 +112,8 @@ class Result:
     gpu_ms_by_kind: dict | None = None
     top_kernels: list | None = None  # --profile-top
     tokens_per_s_runs: list | None = None  # one per timed pass (--repeats)
+    graphs: int | None = None  # +graphs: CUDA graphs captured
+    padding: float | None = None  # +graphs: share of the tokens trained on that were padding
     error: str = ""
 
 
@@ -122,7 +141,7 @@ def build(config: str, model_cfg: ModelConfig, manager, device, seed: int, fp8: 
     if compile_scope not in COMPILE_SCOPES:
         raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {compile_scope!r}")
     torch.manual_seed(seed)
-    peer = config.split("+")[0]
+    peer, suffixes = config_parts(config)
     if peer in PEERS:
         attention_name = peer
     else:
@@ -138,10 +157,10 @@ def build(config: str, model_cfg: ModelConfig, manager, device, seed: int, fp8: 
 
         return PaddedGemModel(model.to(device)), model, policy, "padded SDPA + bf16 autocast + random"
     model = policy.apply(model).to(device)
-    if config.endswith("+compile") and compile_scope == "block":
+    if "compile" in suffixes and compile_scope == "block":
         for i, block in enumerate(model.blocks):
             model.blocks[i] = torch.compile(block, dynamic=True)
-    elif config.endswith("+compile"):
+    elif "compile" in suffixes:
         for block in model.blocks:  # the dense parts; the attention runs eagerly between them
             block.mlp = torch.compile(block.mlp, dynamic=True)
             block.attn_norm = torch.compile(block.attn_norm, dynamic=True)
@@ -152,21 +171,31 @@ def build(config: str, model_cfg: ModelConfig, manager, device, seed: int, fp8: 
 def train_config(config, model_cfg, data, heldout, steps_idx, warmup, device, manager, seed,
                  fp8: dict | None = None, compile_scope: str = "block", profile: bool = False,
                  repeats: int = 1, profile_top: int = 0) -> Result:
+    graphs = "graphs" in config_parts(config)[1]
+    if graphs and device.type != "cuda":
+        raise ValueError(f"{config}: +graphs replays CUDA graphs; it needs --device cuda")
     runner, gem, policy, _ = build(config, model_cfg, manager, device, seed, fp8, compile_scope)
-    opt = torch.optim.AdamW(runner.parameters(), lr=1e-3, fused=device.type == "cuda")
+    opt = torch.optim.AdamW(runner.parameters(), lr=1e-3, fused=device.type == "cuda", capturable=graphs)
     batches = [data.__getitems__(idx).to(device) for idx in steps_idx]
     peak = peak_flops(device)
 
-    def step(batch):
+    def loss_of(batch):
         with policy.autocast(device.type):
-            loss = runner.loss(batch)
+            return runner.loss(batch)
+
+    def eager_step(batch):
+        loss = loss_of(batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         return loss
 
+    step = GraphedTrainStep(loss_of, opt) if graphs else eager_step
     for batch in batches[:warmup]:
         step(batch)
+    if graphs:  # steady state: every timed batch's shape captured (no training happens here)
+        for batch in batches[warmup:]:
+            step.prepare(batch)
     _sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -188,6 +217,9 @@ def train_config(config, model_cfg, data, heldout, steps_idx, warmup, device, ma
                     peak_mem_gb=torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0,
                     step_ms=1e3 * elapsed / max(1, len(timed)),
                     tokens_per_s_runs=rates)
+    if graphs:
+        result.graphs = len(step.graphs)
+        result.padding = step.padding_fraction
     result.syncs_per_step = count_syncs(step, timed[:2], device)
     with torch.no_grad(), policy.autocast(device.type):
         result.heldout_loss = float(runner.loss(heldout.to(device)))
@@ -295,8 +327,13 @@ def ranges_overlap(a: list[float] | None, b: list[float] | None) -> bool | None:
 
 
 def _bf16_twin(config: str) -> str:
-    """The bf16 configuration a precision configuration is compared with: ``fp8+compile`` -> ``bf16+compile``."""
-    return "bf16+compile" if config.endswith("+compile") else "bf16"
+    """The bf16 configuration a configuration is compared with: ``fp8+compile`` -> ``bf16+compile``,
+    ``bf16+compile+graphs`` -> ``bf16+compile`` (what the graphs add), ``fp8+compile+graphs`` ->
+    ``bf16+compile+graphs``."""
+    kind, suffixes = config_parts(config)
+    if kind == "bf16" and suffixes[-1:] == ("graphs",):
+        suffixes = suffixes[:-1]
+    return "+".join(("bf16", *suffixes))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -312,9 +349,8 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name} must be positive, got {getattr(args, name)}")
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = sorted(set(configs) - set(CONFIGS))
-    if unknown:
-        raise ValueError(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
+    for config in configs:
+        config_parts(config)
     fp8 = {"fp8_matmul": args.fp8_matmul, "fp8_fused_mlp": args.fp8_fused_mlp,
            "fp8_keep": [part.strip() for part in args.fp8_keep.split(",") if part.strip()]}
     manager = create_plugin_manager()
@@ -355,7 +391,9 @@ def run(args: argparse.Namespace) -> int:
               "sampler": order_used, "results": [r.__dict__ for r in results], "local_mfu": local}
     base = next((r for r in results if r.config == "padded" and not r.error), None)
     by_config = {r.config: r for r in results if not r.error}
-    peers = [r.tokens_per_s for r in results if not r.error and r.config.split("+")[0] in PEERS + ("padded",)]
+    # torch-native peers only: a peer with +graphs runs gemcore's CUDA-graph step
+    peers = [r.tokens_per_s for r in results if not r.error and config_parts(r.config)[0] in PEERS + ("padded",)
+             and "graphs" not in config_parts(r.config)[1]]
     for r in report["results"]:
         r["speedup_vs_best_peer"] = (r["tokens_per_s"] / max(peers)) if peers and not r["error"] else None
         r["speedup_vs_padded"] = (r["tokens_per_s"] / base.tokens_per_s) if base and not r["error"] else None
@@ -372,11 +410,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"gem bench train: {report['device']}, workload {args.workload} (max_len {max_len}), "
           f"{args.users} users/step, {args.steps} timed steps; model: {args.blocks} blocks, hidden "
           f"{args.hidden}, {args.heads} heads x {args.hidden // args.heads}, {dense / 1e6:.0f}M dense params")
-    print(f"{'config':15s} {'tok/s':>11s} {'spread':>7s} {'samples/s':>10s} {'MFU':>7s} {'step ms':>8s} {'mem GB':>7s} "
+    print(f"{'config':20s} {'tok/s':>11s} {'spread':>7s} {'samples/s':>10s} {'MFU':>7s} {'step ms':>8s} {'mem GB':>7s} "
           f"{'loss':>8s} {'dloss':>7s} {'x pad':>6s} {'x peer':>6s} {'x bf16':>7s} {'syncs':>6s}")
     for r in report["results"]:
         if r["error"]:
-            print(f"{r['config']:15s} FAILED {r['error']}")
+            print(f"{r['config']:20s} FAILED {r['error']}")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         dl = f"{100 * r['loss_vs_padded']:+.2f}%" if r["loss_vs_padded"] is not None else "-"
@@ -387,9 +425,13 @@ def run(args: argparse.Namespace) -> int:
         if r["vs_bf16_inside_noise"]:
             xb += "~"
         sd = f"{100 * r['spread']:.1f}%" if r["spread"] is not None and args.repeats > 1 else "-"
-        print(f"{r['config']:15s} {r['tokens_per_s']:11,.0f} {sd:>7s} {r['samples_per_s']:10,.1f} {mfu:>7s} "
+        print(f"{r['config']:20s} {r['tokens_per_s']:11,.0f} {sd:>7s} {r['samples_per_s']:10,.1f} {mfu:>7s} "
               f"{r['step_ms']:8.1f} {r['peak_mem_gb']:7.1f} {r['heldout_loss']:8.4f} {dl:>7s} {sp:>6s} {bp:>6s} "
               f"{xb:>7s} {sy:>6s}")
+    for r in report["results"]:
+        if not r["error"] and r["graphs"] is not None:
+            print(f"{r['config']}: {r['graphs']} CUDA graphs captured; padding {100 * r['padding']:.1f}% of the tokens "
+                  f"trained on (tok/s and MFU count real tokens only)")
     if args.repeats > 1:
         print(f"tok/s: median of {args.repeats} timed passes; spread: (max - min) / median of the passes; "
               f"~: the passes of the two configurations overlap (inside the run-to-run noise)")
@@ -399,7 +441,7 @@ def run(args: argparse.Namespace) -> int:
 
         print("GPU kernel time per step by kind, ms (torch.profiler, two timed steps; beside the timed step):")
         for r in profiled:
-            print(f"  {r['config']:15s} {format_breakdown(r['gpu_ms_by_kind'], r['step_ms'])}")
+            print(f"  {r['config']:20s} {format_breakdown(r['gpu_ms_by_kind'], r['step_ms'])}")
         for r in profiled:
             if r["top_kernels"]:
                 print(f"  {r['config']}: the {len(r['top_kernels'])} costliest kernels (per step)")

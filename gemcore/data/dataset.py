@@ -16,6 +16,8 @@ class JaggedBatch:
     cand_ids: (C,) int64 candidate items; cand_offsets: (B+1,) int64; labels: (C,) float32 clicks.
     max_len: longest history + candidates of one user; sum_sq_len: sum over users of
     (history + candidates)^2, both host ints computed at collation (for FLOP counting, no sync).
+    label_weights: (C,) float32 weight of each candidate in the loss, or None for all 1
+    (:func:`gemcore.data.padding.pad_batch` gives padding candidates 0).
     """
 
     item_ids: torch.Tensor
@@ -27,6 +29,7 @@ class JaggedBatch:
     labels: torch.Tensor
     max_len: int = 0
     sum_sq_len: int = 0
+    label_weights: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
