@@ -1,33 +1,32 @@
-"""Whole training steps (forward, backward, optimizer) replayed as CUDA graphs.
+"""A training step's forward and backward replayed as CUDA graphs, one graph per batch bucket.
 
 A jagged batch changes shape every step and a CUDA graph replays fixed shapes, so
-:class:`GraphedTrainStep` pads each batch up to its bucket (:func:`gemcore.data.padding.pad_batch`:
-extra users only, padding candidates weigh 0) and replays that bucket's graph. The host then
-issues one graph launch a step instead of thousands of kernel launches, which is what bounds a
-compiled jagged step when the GPU outruns Python (`CUDA Graphs`_ in the PyTorch docs, "whole
-network capture").
+:class:`GraphedForwardBackward` pads each batch up to its bucket (:func:`gemcore.data.padding.pad_batch`:
+extra users only, padding candidates weigh 0) and replays that bucket's graph. The host then issues
+one graph launch for the forward and backward instead of a launch a kernel, which is what bounds a
+step when the GPU outruns Python (`CUDA Graphs`_ in the PyTorch docs, "whole network capture").
+The optimizer step stays outside the graph (a few fused launches), so learning-rate schedules,
+gradient clipping and any optimizer work unchanged.
 
-Usage (one GPU; the optimizer built with ``capturable=True``)::
+Usage (one GPU)::
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
-    step = GraphedTrainStep(lambda batch: model.loss(batch), opt)
+    graphed = GraphedForwardBackward(model.loss, model.parameters())
     for batch in loader:
-        loss = step(batch.to("cuda"))   # (,) float32 on the GPU, no host sync
+        loss = graphed(batch.to("cuda"))   # forward + backward; (,) float32 on the GPU, no sync
+        opt.step()                         # reads p.grad as after loss.backward()
 
-Every step trains on the padded batch. The first call trains eagerly (it creates the optimizer's
-state outside any graph), as do batches whose shape finds no graph once max_graphs are kept. A bucket's first
-batch runs a forward + backward outside the graph (compiling and autotuning at those shapes; no
-optimizer step, so no training happens there), then the graph is captured and replayed: every
-batch trains exactly once, through its graph. ``prepare(batch)`` captures a batch's bucket ahead
-of time without training. Gradients stay in place between steps (zeroed inside the graph, never
-set to None), so ``p.grad`` holds the last step's gradients as after an eager step.
+A bucket's first batch runs a forward + backward outside any graph (compiling and autotuning at
+those shapes), then the graph is captured and replayed; every batch is trained on once, padded.
+``prepare(batch)`` captures a batch's bucket ahead of time. The gradients live in the graphs'
+memory: after a call, ``p.grad`` is that call's gradient (no accumulation across calls), valid
+until the next call.
 
 .. _CUDA Graphs: https://pytorch.org/docs/stable/notes/cuda.html#cuda-graphs
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -36,6 +35,8 @@ from gemcore.data.padding import pad_batch, padding_user_length
 
 #: rows per attention tile: the padded max_len bound is a power of two of at least this
 _MIN_MAX_LEN = 128
+#: the batch tensors a graph reads (copied into its static batch before each replay)
+_INPUTS = ("item_ids", "actions", "time_buckets", "offsets", "cand_ids", "cand_offsets", "labels", "label_weights")
 
 
 @dataclass(frozen=True)
@@ -67,40 +68,53 @@ class Buckets:
             events - batch.item_ids.numel(), candidates - batch.cand_ids.numel(), pad_users))
         return events, candidates, users, 1 << (longest - 1).bit_length()
 
+    def pad(self, batch: JaggedBatch) -> tuple[tuple[int, int, int, int], JaggedBatch]:
+        """(shape, ``batch`` padded to it), the padded batch's max_len set to the shape's bound."""
+        events, candidates, users, max_len = shape = self.shape_of(batch)
+        padded = pad_batch(batch, num_events=events, num_candidates=candidates, num_users=users)
+        padded.max_len = max_len  # the attention kernels' bound: one per graph
+        return shape, padded
+
 
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
     batch: JaggedBatch  # the static inputs the graph reads
     loss: torch.Tensor  # (,) the graph's output
+    grads: list  # each parameter's gradient as the graph writes it (None: no gradient)
 
 
-class GraphedTrainStep:
-    """One training step a call, replayed as a CUDA graph per :class:`Buckets` shape.
+class GraphedForwardBackward:
+    """``loss_fn(batch).backward()`` a call, replayed as a CUDA graph per :class:`Buckets` shape.
 
     loss_fn(batch) -> (,) loss: the forward, autocast included, on a padded :class:`JaggedBatch`
-    (it must honour ``batch.label_weights``, as ``GemModel.loss`` does); optimizer: over the
-    parameters loss_fn trains, built with ``capturable=True`` where it has the option. The step
-    must not synchronise with the host (``.item()``, data-dependent shapes): capture refuses it.
-    max_graphs bounds the graphs kept (each holds its static batch; activations share one pool).
+    (it must honour ``batch.label_weights``, as ``GemModel.loss`` does); params: the parameters
+    whose gradients the optimizer reads. The forward and backward must not synchronise with the
+    host (``.item()``, data-dependent shapes): capture refuses that with a named error.
+
+    Memory: the graphs share one pool for activations, and each keeps its own gradients (the size
+    of ``params``), which its backward writes instead of accumulating into shared ones (zeroing and
+    accumulating cost another pass over every gradient each step). max_graphs bounds them; a batch
+    whose shape finds no graph once that many exist runs eagerly, counted in ``eager_steps``.
     """
 
-    def __init__(self, loss_fn: Callable[[JaggedBatch], torch.Tensor], optimizer: torch.optim.Optimizer,
-                 buckets: Buckets = Buckets(), max_graphs: int = 64):
-        for i, group in enumerate(optimizer.param_groups):
-            if group.get("capturable") is False:
-                raise ValueError(f"optimizer: param group {i} has capturable=False; build the optimizer "
-                                 f"with capturable=True to replay its step in a CUDA graph")
+    def __init__(self, loss_fn: Callable[[JaggedBatch], torch.Tensor], params: Iterable[torch.nn.Parameter],
+                 buckets: Buckets = Buckets(), max_graphs: int = 16):
         if not isinstance(max_graphs, int) or max_graphs <= 0:
             raise ValueError(f"max_graphs must be a positive int, got {max_graphs!r}")
+        if not isinstance(buckets, Buckets):
+            raise TypeError(f"buckets must be a Buckets, got {type(buckets).__name__}")
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ValueError("params: no parameter requires a gradient")
         if not torch.cuda.is_available():
-            raise RuntimeError("GraphedTrainStep replays CUDA graphs: no CUDA GPU is available")
-        self.loss_fn, self.optimizer, self.buckets, self.max_graphs = loss_fn, optimizer, buckets, max_graphs
+            raise RuntimeError("GraphedForwardBackward replays CUDA graphs: no CUDA GPU is available")
+        self.loss_fn, self.buckets, self.max_graphs = loss_fn, buckets, max_graphs
         self.graphs: dict[tuple[int, int, int, int], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.eager_steps = 0
         self.replays = 0
-        self.real_tokens = 0  # history events + candidates, summed over steps
+        self.real_tokens = 0  # history events + candidates, summed over calls
         self.padded_tokens = 0
 
     @property
@@ -109,32 +123,34 @@ class GraphedTrainStep:
         return 1.0 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
 
     def __call__(self, batch: JaggedBatch) -> torch.Tensor:
-        """Train on ``batch`` (on the GPU), padded to its bucket; returns its loss, (,) on the GPU."""
+        """Forward and backward of ``batch`` (on the GPU), padded to its bucket: sets each
+        parameter's ``.grad`` to this batch's gradient and returns the loss, (,) on the GPU."""
         self._check(batch)
-        shape, padded = self._padded(batch)
+        shape, padded = self.buckets.pad(batch)
         self.real_tokens += batch.num_tokens
         self.padded_tokens += padded.num_tokens
-        # eager: the first step (the optimizer's state must exist before any capture), and shapes
-        # beyond max_graphs
-        if not self.optimizer.state or (shape not in self.graphs and len(self.graphs) >= self.max_graphs):
+        if shape not in self.graphs and len(self.graphs) >= self.max_graphs:
             self.eager_steps += 1
-            return self._eager_step(padded)
+            for p in self.params:
+                p.grad = None
+            loss = self.loss_fn(padded)
+            loss.backward()
+            return loss.detach()
         if shape not in self.graphs:
             self.graphs[shape] = self._capture(padded)
         graph = self.graphs[shape]
-        for name in ("item_ids", "actions", "time_buckets", "offsets", "cand_ids", "cand_offsets", "labels",
-                     "label_weights"):
+        for name in _INPUTS:
             getattr(graph.batch, name).copy_(getattr(padded, name), non_blocking=True)
         graph.graph.replay()
+        for p, g in zip(self.params, graph.grads):
+            p.grad = g
         self.replays += 1
         return graph.loss.clone()
 
     def prepare(self, batch: JaggedBatch) -> None:
-        """Capture the graph of ``batch``'s bucket now (no training); needs one step taken before."""
+        """Capture the graph of ``batch``'s bucket now; leaves every ``p.grad`` None."""
         self._check(batch)
-        if not self.optimizer.state:
-            raise RuntimeError("prepare: take one step first (the optimizer's state is created eagerly)")
-        shape, padded = self._padded(batch)
+        shape, padded = self.buckets.pad(batch)
         if shape not in self.graphs and len(self.graphs) < self.max_graphs:
             self.graphs[shape] = self._capture(padded)
 
@@ -144,39 +160,27 @@ class GraphedTrainStep:
         if batch.offsets.device.type != "cuda":
             raise ValueError(f"batch must be on a CUDA device, got {batch.offsets.device}")
 
-    def _eager_step(self, batch: JaggedBatch) -> torch.Tensor:
-        self.optimizer.zero_grad(set_to_none=False)
-        loss = self.loss_fn(batch)
-        loss.backward()
-        self.optimizer.step()
-        return loss.detach()
-
-    def _padded(self, batch: JaggedBatch) -> tuple[tuple[int, int, int, int], JaggedBatch]:
-        events, candidates, users, max_len = shape = self.buckets.shape_of(batch)
-        padded = pad_batch(batch, num_events=events, num_candidates=candidates, num_users=users)
-        padded.max_len = max_len  # the attention kernels' bound: one per graph
-        return shape, padded
-
     def _capture(self, padded: JaggedBatch) -> _Graph:
         static = padded._map(torch.clone)
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compile and autotune at these shapes, outside the capture
+            for p in self.params:
+                p.grad = None
             self.loss_fn(static).backward()
         torch.cuda.current_stream().wait_stream(side)
-        for p in params:  # gradients live outside the graph pool, zeroed in place by each replay
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
+        for p in self.params:  # the graph's backward writes fresh gradients (no accumulation)
+            p.grad = None
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.optimizer.zero_grad(set_to_none=False)
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 loss = self.loss_fn(static)
                 loss.backward()
-                self.optimizer.step()
                 loss = loss.detach()
         except RuntimeError as exc:
-            raise RuntimeError(f"GraphedTrainStep: the training step could not be captured as a CUDA graph "
-                               f"(does it synchronise with the host?): {exc}") from exc
-        return _Graph(graph, static, loss)
+            raise RuntimeError(f"GraphedForwardBackward: the forward and backward could not be captured as a "
+                               f"CUDA graph (do they synchronise with the host?): {exc}") from exc
+        grads = [p.grad for p in self.params]
+        for p in self.params:  # nothing has run yet: no gradient to read until a replay
+            p.grad = None
+        return _Graph(graph, static, loss, grads)

@@ -38,6 +38,7 @@ from gemcore.data import JaggedDataset, load_user_data, make_synthetic
 from gemcore.determinism import deterministic_algorithms
 from gemcore.gc_schedule import ScheduledGC
 from gemcore.metrics import auc, peak_flops
+from gemcore.cuda_graphs import GraphedForwardBackward
 from gemcore.model import GemModel, click_loss
 from gemcore.plugin_manager import GemPluginManager, PluginError
 from gemcore.precision import flush_denormals
@@ -239,6 +240,7 @@ class Trainer:
         # a pipeline (pp > 1) steps through forward_backward and holds one stage's parameters per
         # rank; its checkpoint is merged on the first stage's rank
         self.pipelined = callable(getattr(self.model, "forward_backward", None))
+        self.graphed = self._graphed_forward_backward() if config.train.cuda_graphs else None
         # global rank 0 writes (data-parallel rank 0 is also held by its tp/cp/pp peers)
         self.is_main = par.rank == 0 and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0)
         # devices that share one data-parallel rank's batch (tp x cp x pp): per-device rates divide by it
@@ -261,6 +263,20 @@ class Trainer:
         self.padded_flops_total = 0.0
         self.train_time_total_s = 0.0
         self.eval_history: list[dict[str, float]] = []
+
+    def _graphed_forward_backward(self) -> GraphedForwardBackward:
+        """train.cuda_graphs: the forward and backward replayed as CUDA graphs (gemcore.cuda_graphs)."""
+        why = ("it needs a CUDA device" if self.device.type != "cuda" else
+               "it runs on one GPU without parallelism" if (self.pipelined or self.parts.parallelism.world_size > 1
+                                                            or torch.distributed.is_initialized()) else
+               "float16 loss scaling is not captured; use bf16" if self.scaler.is_enabled() else "")
+        if why:
+            raise ValueError(f"train.cuda_graphs: {why}")
+
+        def loss_fn(batch):
+            with self.parts.precision.autocast(self.device.type):
+                return click_loss(self.model(batch), batch.labels, batch.label_weights)
+        return GraphedForwardBackward(loss_fn, self.model.parameters())
 
     # ------------------------------------------------------------------ checkpoints
     def _distributed(self) -> bool:
@@ -343,6 +359,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             with self.parts.precision.autocast(self.device.type):
                 loss = self.model.forward_backward(batch, scale=self.scaler.scale)
+        elif self.graphed is not None:  # forward and backward replayed; each p.grad set
+            loss = self.graphed(batch)
         else:
             with self.parts.precision.autocast(self.device.type):
                 # through the (possibly wrapped) model's forward, so DDP/FSDP hooks see it
@@ -557,6 +575,9 @@ class Trainer:
             "rank": self.parts.parallelism.rank,
             "sampler": self.config.data.sampler,
             "parameters": self.num_parameters,
+            "cuda_graphs": None if self.graphed is None else {
+                "graphs": len(self.graphed.graphs), "replays": self.graphed.replays,
+                "eager_steps": self.graphed.eager_steps, "padding": self.graphed.padding_fraction},
         }
 
 

@@ -24,10 +24,12 @@ import triton.language as tl
 from gemcore.kernels.fp8_block_triton import (BLOCK, _amax_bits, _block_byte, _e4m3, _interpreting,
                                               _scale_value)
 
-#: 128 rows (a 128x1 block along tokens per column) and 8 warps: the tile holds two to three
-#: float32 128x128 operands at once (g, u, and dh backward); 8 warps measured fastest on an H100
-#: (4: 1,015 µs backward at 17,255 x 4,096, 8: 462, 16: 486, before the 32-bit tile offsets)
-SWIGLU_TILE = dict(BLOCK_R=128, num_warps=8)
+#: 128 rows: a 128x1 block along tokens per column
+SWIGLU_TILE = dict(BLOCK_R=128)
+#: warps per tile, by pass. The forward holds two float32 128x128 operands (g, u) and the backward
+#: three (g, u, dh); on an H100 at 17,255 x 4,096 the forward took 236 µs with 4 warps and 274 with
+#: 8, the backward 544 µs with 4 and 473 with 8 (docs/kernels.md)
+SWIGLU_WARPS = {"forward": 4, "backward": 8}
 
 
 @triton.jit
@@ -139,5 +141,6 @@ def swiglu_cast_triton(gu: torch.Tensor, dh: torch.Tensor | None = None, *,
         grid = (n // BLOCK * (m_pad // SWIGLU_TILE["BLOCK_R"]),)
         _swiglu_cast[grid](gu, d, rows.view(torch.uint8), rscale, cols.view(torch.uint8), cscale, M, F,
                            m_pad, n, *gu.stride(), *d.stride(), *rscale.stride(), *cscale.stride(),
-                           BACKWARD=dh is not None, SOFT_ROUND=soft_round, **SWIGLU_TILE)
+                           BACKWARD=dh is not None, SOFT_ROUND=soft_round,
+                           num_warps=SWIGLU_WARPS["forward" if dh is None else "backward"], **SWIGLU_TILE)
     return rows, rscale, cols, cscale

@@ -149,7 +149,7 @@ def test_profile_breakdown_and_top_kernels_are_printed(monkeypatch, capsys):
 
     def fake(config, *args, **kwargs):
         return train.Result(config, tokens_per_s=1000.0, step_ms=10.0, tokens_per_s_runs=[1000.0],
-                            gpu_ms_by_kind={"gemm": 6.0, "attention": 2.0, "total": 8.0},
+                            gpu_ms_by_kind={"gemm": 6.0, "attention": 2.0, "total": 8.0}, kernels_per_step=400.0,
                             top_kernels=[{"name": "nvjet_gemm", "kind": "gemm", "ms_per_step": 6.0,
                                           "calls_per_step": 3.0, "us_per_call": 2000.0}])
 
@@ -161,5 +161,5 @@ def test_profile_breakdown_and_top_kernels_are_printed(monkeypatch, capsys):
                               "--candidates", "1", "--max-len", "8", "--no-local-mfu"])
     assert train.run(args) == 0
     out = capsys.readouterr().out
-    assert "GPU busy 8.0 ms (80 % of the 10.0 ms step) | gemm 6.0 | attention 2.0" in out
+    assert "GPU busy 8.0 ms (80 % of the 10.0 ms step) | gemm 6.0 | attention 2.0 | 400 kernels, idle 5.0 us each" in out
     assert "bf16: the 1 costliest kernels" in out and "nvjet_gemm" in out

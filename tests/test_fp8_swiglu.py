@@ -165,7 +165,7 @@ def test_fused_kernel_compiles_for_sm90_with_the_installed_triton(backward):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from gemcore.kernels.fp8_swiglu_triton import SWIGLU_TILE, _swiglu_cast
+    from gemcore.kernels.fp8_swiglu_triton import SWIGLU_TILE, SWIGLU_WARPS, _swiglu_cast
 
     ints = ["M", "F", "R_PAD", "C_PAD", "stride_gm", "stride_gc", "stride_dm", "stride_dc", "stride_rsr",
             "stride_rsc", "stride_csr", "stride_csc"]
@@ -174,6 +174,6 @@ def test_fused_kernel_compiles_for_sm90_with_the_installed_triton(backward):
                      SOFT_ROUND="constexpr")
     src = ASTSource(_swiglu_cast, signature, constexprs={"BACKWARD": backward, "BLOCK_R": SWIGLU_TILE["BLOCK_R"],
                                                          "SOFT_ROUND": False})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": SWIGLU_TILE["num_warps"]})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": SWIGLU_WARPS["backward" if backward else "forward"]})
     ptx = compiled.asm["ptx"]
     assert "cvt.rn.bf16" in ptx and "e4m3x2" in ptx and "mul.rn.ftz.f32" in ptx

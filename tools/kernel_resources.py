@@ -95,7 +95,7 @@ def _swiglu(backward: bool) -> Callable:
         signature = dict(gu_ptr="*bf16", dh_ptr="*bf16", rdata_ptr="*u8", rscale_ptr="*fp32", cdata_ptr="*u8",
                          cscale_ptr="*fp32", **dict.fromkeys(ints, "i32"), BACKWARD="constexpr",
                          BLOCK_R="constexpr", SOFT_ROUND="constexpr")
-        w = warps or sw.SWIGLU_TILE["num_warps"]
+        w = warps or sw.SWIGLU_WARPS["backward" if backward else "forward"]
         constexprs = {"BACKWARD": backward, "BLOCK_R": sw.SWIGLU_TILE["BLOCK_R"], "SOFT_ROUND": False}
         return _triton_build(sw._swiglu_cast, signature, constexprs, arch, w), w
     return build

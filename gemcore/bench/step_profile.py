@@ -59,9 +59,10 @@ def top_kernels(kernels: list[tuple[str, float, int]], steps: int, n: int) -> li
             for name, us, calls in rows]
 
 
-def profile_steps(run: Callable[[], None], steps: int, top: int = 0) -> tuple[dict[str, float], list[dict]]:
-    """(:func:`gpu_ms_by_kind`, :func:`top_kernels` of the ``top`` largest) of ``run()``, which
-    runs ``steps`` training steps on a CUDA GPU."""
+def profile_steps(run: Callable[[], None], steps: int,
+                  top: int = 0) -> tuple[dict[str, float], list[dict], float]:
+    """(:func:`gpu_ms_by_kind`, :func:`top_kernels` of the ``top`` largest, kernels a step) of
+    ``run()``, which runs ``steps`` training steps on a CUDA GPU."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -71,7 +72,8 @@ def profile_steps(run: Callable[[], None], steps: int, top: int = 0) -> tuple[di
         torch.cuda.synchronize()
     kernels = [(e.key, e.self_device_time_total, e.count) for e in prof.key_averages()
                if e.device_type == DeviceType.CUDA]
-    return gpu_ms_by_kind([(name, us) for name, us, _ in kernels], steps), top_kernels(kernels, steps, top)
+    return (gpu_ms_by_kind([(name, us) for name, us, _ in kernels], steps), top_kernels(kernels, steps, top),
+            sum(calls for _, _, calls in kernels) / steps)
 
 
 def format_top(rows: list[dict]) -> list[str]:
@@ -80,11 +82,17 @@ def format_top(rows: list[dict]) -> list[str]:
             f"{r['kind']:20s} {r['name'][:90]}" for r in rows]
 
 
-def format_breakdown(ms_by_kind: dict[str, float], step_ms: float | None = None) -> str:
-    """One line: ``total 50.1 ms (95 % of the step) | gemm 21.4 | attention 9.6 | ...``."""
+def format_breakdown(ms_by_kind: dict[str, float], step_ms: float | None = None,
+                     kernels: float | None = None) -> str:
+    """One line: ``GPU busy 50.1 ms (95 % of the 52.7 ms step) | gemm 21.4 | attention 9.6 | ...``,
+    then, given the kernels a step, ``| 1,800 kernels, idle 1.4 us each`` (the step's idle time
+    over its kernels: what each launch leaves the GPU waiting, on average)."""
     total = ms_by_kind.get("total", 0.0)
     head = f"GPU busy {total:.1f} ms"
     if step_ms:
         head += f" ({100 * total / step_ms:.0f} % of the {step_ms:.1f} ms step)"
     parts = [f"{kind} {ms:.1f}" for kind, ms in ms_by_kind.items() if kind != "total"]
+    if kernels:
+        idle = f", idle {1e3 * max(step_ms - total, 0.0) / kernels:.1f} us each" if step_ms else ""
+        parts.append(f"{kernels:,.0f} kernels{idle}")
     return " | ".join([head] + parts)

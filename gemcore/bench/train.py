@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from gemcore.bench.timing import queued_gpu_ms
-from gemcore.cuda_graphs import GraphedTrainStep
+from gemcore.cuda_graphs import GraphedForwardBackward
 from gemcore.config import AttentionConfig, ModelConfig, PrecisionConfig
 from gemcore.data import make_synthetic
 from gemcore.data.workloads import WORKLOAD_MAX_LEN
@@ -111,6 +111,7 @@ class Result:
     step_ms: float = 0.0
     gpu_ms_by_kind: dict | None = None
     top_kernels: list | None = None  # --profile-top
+    kernels_per_step: float | None = None  # --profile
     tokens_per_s_runs: list | None = None  # one per timed pass (--repeats)
     graphs: int | None = None  # +graphs: CUDA graphs captured
     padding: float | None = None  # +graphs: share of the tokens trained on that were padding
@@ -175,7 +176,7 @@ def train_config(config, model_cfg, data, heldout, steps_idx, warmup, device, ma
     if graphs and device.type != "cuda":
         raise ValueError(f"{config}: +graphs replays CUDA graphs; it needs --device cuda")
     runner, gem, policy, _ = build(config, model_cfg, manager, device, seed, fp8, compile_scope)
-    opt = torch.optim.AdamW(runner.parameters(), lr=1e-3, fused=device.type == "cuda", capturable=graphs)
+    opt = torch.optim.AdamW(runner.parameters(), lr=1e-3, fused=device.type == "cuda")
     batches = [data.__getitems__(idx).to(device) for idx in steps_idx]
     peak = peak_flops(device)
 
@@ -183,19 +184,23 @@ def train_config(config, model_cfg, data, heldout, steps_idx, warmup, device, ma
         with policy.autocast(device.type):
             return runner.loss(batch)
 
-    def eager_step(batch):
-        loss = loss_of(batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+    graphed = GraphedForwardBackward(loss_of, runner.parameters()) if graphs else None
+
+    def step(batch):
+        if graphed is not None:  # forward + backward replayed; p.grad set
+            loss = graphed(batch)
+        else:
+            loss = loss_of(batch)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
         opt.step()
         return loss
 
-    step = GraphedTrainStep(loss_of, opt) if graphs else eager_step
     for batch in batches[:warmup]:
         step(batch)
     if graphs:  # steady state: every timed batch's shape captured (no training happens here)
         for batch in batches[warmup:]:
-            step.prepare(batch)
+            graphed.prepare(batch)
     _sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -218,15 +223,15 @@ def train_config(config, model_cfg, data, heldout, steps_idx, warmup, device, ma
                     step_ms=1e3 * elapsed / max(1, len(timed)),
                     tokens_per_s_runs=rates)
     if graphs:
-        result.graphs = len(step.graphs)
-        result.padding = step.padding_fraction
+        result.graphs = len(graphed.graphs)
+        result.padding = graphed.padding_fraction
     result.syncs_per_step = count_syncs(step, timed[:2], device)
     with torch.no_grad(), policy.autocast(device.type):
         result.heldout_loss = float(runner.loss(heldout.to(device)))
     if profile and device.type == "cuda":
         from gemcore.bench.step_profile import profile_steps
 
-        result.gpu_ms_by_kind, result.top_kernels = profile_steps(
+        result.gpu_ms_by_kind, result.top_kernels, result.kernels_per_step = profile_steps(
             lambda: [step(b) for b in timed[:2]], len(timed[:2]), profile_top)
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -441,7 +446,7 @@ def run(args: argparse.Namespace) -> int:
 
         print("GPU kernel time per step by kind, ms (torch.profiler, two timed steps; beside the timed step):")
         for r in profiled:
-            print(f"  {r['config']:20s} {format_breakdown(r['gpu_ms_by_kind'], r['step_ms'])}")
+            print(f"  {r['config']:20s} {format_breakdown(r['gpu_ms_by_kind'], r['step_ms'], r['kernels_per_step'])}")
         for r in profiled:
             if r["top_kernels"]:
                 print(f"  {r['config']}: the {len(r['top_kernels'])} costliest kernels (per step)")
