@@ -163,3 +163,15 @@ def test_profile_breakdown_and_top_kernels_are_printed(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "GPU busy 8.0 ms (80 % of the 10.0 ms step) | gemm 6.0 | attention 2.0 | 400 kernels, idle 5.0 us each" in out
     assert "bf16: the 1 costliest kernels" in out and "nvjet_gemm" in out
+
+
+def test_graphs_suffix_names_and_twins():
+    from gemcore.bench import train
+
+    assert train.config_parts("fp8+compile+graphs") == ("fp8", ("compile", "graphs"))
+    assert train._bf16_twin("bf16+compile+graphs") == "bf16+compile"
+    assert train._bf16_twin("fp8+compile+graphs") == "bf16+compile+graphs"
+    assert train._bf16_twin("bf16+graphs") == "bf16"
+    for bad in ("padded+graphs", "fp8+graphs+compile", "bf16+graphs+graphs", "bf16+fast"):
+        with pytest.raises(ValueError, match=f"--configs: unknown {bad.replace('+', '[+]')};"):
+            train.config_parts(bad)

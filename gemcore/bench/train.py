@@ -7,7 +7,10 @@ candidates also see earlier candidates) and ``flex`` (compiled FlexAttention wit
 target-aware mask), each in the same model through the attention hook. All configurations run
 softmax attention; ``+compile`` compiles, in any of them, each transformer block whole
 (``--compile-scope block``, the default: the attention is an opaque custom op inside the graph) or
-only its dense parts (``--compile-scope dense``: MLP and norms).
+only its dense parts (``--compile-scope dense``: MLP and norms). ``+graphs`` (after ``+compile`` if
+both) replays each step's forward and backward as a CUDA graph per padded batch shape
+(:mod:`gemcore.cuda_graphs`); ``x bf16`` of ``bf16+compile+graphs`` is over ``bf16+compile``, and
+the ``x peer`` column's peers are the torch-native configurations without ``+graphs``.
 
 Every configuration trains the same GEM-style model (same initial weights) on the same synthetic
 data for the same number of steps. Reported per configuration: tokens/s (real tokens), samples/s,
