@@ -2,24 +2,14 @@
 gradients equal to the unpadded batch's (padding users never touch real tokens)."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from gemcore.config import AttentionConfig, ModelConfig
-from gemcore.data import JaggedDataset
 from gemcore.data.padding import pad_batch, padding_user_length
 from gemcore.kernels.jagged_attention import make_attention
 from gemcore.model import GemModel, click_loss
-
-
-def dataset_with_lengths(lengths, cand_lengths, seed=0) -> JaggedDataset:
-    rng = np.random.default_rng(seed)
-    t, c = int(sum(lengths)), int(sum(cand_lengths))
-    return JaggedDataset.from_arrays(
-        lengths=np.array(lengths), cand_lengths=np.array(cand_lengths),
-        item_ids=rng.integers(0, 50, t), actions=rng.integers(0, 4, t), time_gaps=rng.exponential(100, t),
-        cand_ids=rng.integers(0, 50, c), labels=rng.integers(0, 2, c).astype(np.float32))
+from test_model import dataset_with_lengths
 
 
 def model() -> GemModel:
