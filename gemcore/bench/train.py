@@ -95,7 +95,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-scope", default="block", choices=COMPILE_SCOPES,
                    help="what +compile compiles: each block whole, or its MLP and norms only")
     p.add_argument("--profile", action="store_true",
-                   help="also profile two timed steps per configuration: GPU kernel time by kind (CUDA only)")
+                   help="also profile the timed steps once more per configuration: GPU kernel time by kind "
+                        "(CUDA only)")
     p.add_argument("--profile-top", type=int, default=0, metavar="N",
                    help="with --profile: also list each configuration's N costliest kernels")
     p.add_argument("--no-local-mfu", action="store_true")
@@ -235,7 +236,7 @@ def train_config(config, model_cfg, data, heldout, steps_idx, warmup, device, ma
         from gemcore.bench.step_profile import profile_steps
 
         result.gpu_ms_by_kind, result.top_kernels, result.kernels_per_step = profile_steps(
-            lambda: [step(b) for b in timed[:2]], len(timed[:2]), profile_top)
+            lambda: [step(b) for b in timed], len(timed), profile_top)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
@@ -447,7 +448,7 @@ def run(args: argparse.Namespace) -> int:
     if profiled:
         from gemcore.bench.step_profile import format_breakdown, format_top
 
-        print("GPU kernel time per step by kind, ms (torch.profiler, two timed steps; beside the timed step):")
+        print("GPU kernel time per step by kind, ms (torch.profiler, the timed steps once more; beside the timed step):")
         for r in profiled:
             print(f"  {r['config']:20s} {format_breakdown(r['gpu_ms_by_kind'], r['step_ms'], r['kernels_per_step'])}")
         for r in profiled:
