@@ -25,7 +25,7 @@ REQUIRED_KEYS = ("format_version", "step", "config", "model", "optimizer", "sche
 RESUME_MAY_CHANGE = {
     "run.name", "run.out_dir", "run.max_steps", "run.log_every", "run.eval_users", "run.threads",
     "run.device", "run.deterministic", "train.checkpoint_every", "train.max_time_s", "train.eval_every",
-    "train.gc_every", "train.cuda_graphs", "plugins.disable",
+    "train.gc_every", "train.compile", "train.cuda_graphs", "plugins.disable",
 }
 
 

@@ -123,6 +123,8 @@ class TrainConfig:
     eval_every: int = _f(0, "held-out AUC every N steps (0: only at the end)")
     gc_every: int = _f(50, "Python's automatic garbage collection off while training; generations "
                            "0-1 collected every N steps instead (0: automatic collection)")
+    compile: bool = _f(False, "torch.compile each transformer block (dynamic shapes; the attention runs inside "
+                              "its graph as an opaque op)")
     cuda_graphs: bool = _f(False, "replay each step's forward and backward as a CUDA graph, one per padded "
                                   "batch shape (one GPU, no parallelism; gemcore.cuda_graphs)")
 

@@ -229,6 +229,9 @@ class Trainer:
         fsdp_size = getattr(self.parts.parallelism, "fsdp_size", self.parts.parallelism.world_size)
         model = self.parts.precision.apply(model, **_accepted(self.parts.precision.apply,
                                                               {"fsdp_size": fsdp_size}))
+        if config.train.compile:  # in place (state-dict names unchanged), before parallelism wraps the blocks
+            for block in model.blocks:
+                block.compile(dynamic=True)
         self.model = self.parts.parallelism.apply(model, self.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.train.lr,
                                            weight_decay=config.train.weight_decay)
