@@ -148,7 +148,8 @@ class GraphedForwardBackward:
         return graph.loss.clone()
 
     def prepare(self, batch: JaggedBatch) -> None:
-        """Capture the graph of ``batch``'s bucket now; leaves every ``p.grad`` None."""
+        """Capture the graph of ``batch``'s bucket now if it has none (a capture leaves every
+        ``p.grad`` None: nothing has run yet)."""
         self._check(batch)
         shape, padded = self.buckets.pad(batch)
         if shape not in self.graphs and len(self.graphs) < self.max_graphs:
