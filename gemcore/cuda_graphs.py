@@ -131,11 +131,7 @@ class GraphedForwardBackward:
         self.padded_tokens += padded.num_tokens
         if shape not in self.graphs and len(self.graphs) >= self.max_graphs:
             self.eager_steps += 1
-            for p in self.params:
-                p.grad = None
-            loss = self.loss_fn(padded)
-            loss.backward()
-            return loss.detach()
+            return self._eager_forward_backward(padded)
         if shape not in self.graphs:
             self.graphs[shape] = self._capture(padded)
         graph = self.graphs[shape]
@@ -161,14 +157,19 @@ class GraphedForwardBackward:
         if batch.offsets.device.type != "cuda":
             raise ValueError(f"batch must be on a CUDA device, got {batch.offsets.device}")
 
+    def _eager_forward_backward(self, batch: JaggedBatch) -> torch.Tensor:
+        for p in self.params:
+            p.grad = None
+        loss = self.loss_fn(batch)
+        loss.backward()
+        return loss.detach()
+
     def _capture(self, padded: JaggedBatch) -> _Graph:
         static = padded._map(torch.clone)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compile and autotune at these shapes, outside the capture
-            for p in self.params:
-                p.grad = None
-            self.loss_fn(static).backward()
+            self._eager_forward_backward(static)
         torch.cuda.current_stream().wait_stream(side)
         for p in self.params:  # the graph's backward writes fresh gradients (no accumulation)
             p.grad = None

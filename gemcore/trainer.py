@@ -34,11 +34,11 @@ import torch
 
 from gemcore import checkpoint
 from gemcore.config import Config
+from gemcore.cuda_graphs import GraphedForwardBackward
 from gemcore.data import JaggedDataset, load_user_data, make_synthetic
 from gemcore.determinism import deterministic_algorithms
 from gemcore.gc_schedule import ScheduledGC
 from gemcore.metrics import auc, peak_flops
-from gemcore.cuda_graphs import GraphedForwardBackward
 from gemcore.model import GemModel, click_loss
 from gemcore.plugin_manager import GemPluginManager, PluginError
 from gemcore.precision import flush_denormals

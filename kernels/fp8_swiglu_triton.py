@@ -59,10 +59,9 @@ def _swiglu_cast(gu_ptr, dh_ptr, rdata_ptr, rscale_ptr, cdata_ptr, cscale_ptr, M
     pid_c = tl.program_id(0) % n_col_tiles
     pid_r = tl.program_id(0) // n_col_tiles
     # 64-bit scalar bases, 32-bit offsets inside the tile (the wrapper bounds them): a tile of
-    # 64-bit offsets takes two registers an element. With them, and the backward folding u into
-    # its factor before it loads dh (two float32 tiles live, not three), the kernels built for
-    # sm_90 by triton 3.6 with 8 warps spill 32 (forward) and 16 (backward) bytes a thread,
-    # against 392 and 3,416 with 64-bit tile offsets (tools/kernel_resources.py)
+    # 64-bit offsets takes two registers an element. The backward folds u into its factor before
+    # it loads dh, so two float32 tiles are live, not three (registers and spills of the sm_90
+    # build: docs/kernels.md, tools/kernel_resources.py)
     row0 = pid_r.to(tl.int64) * BLOCK_R
     rr = tl.arange(0, BLOCK_R)
     cc = tl.arange(0, 128)

@@ -46,9 +46,6 @@ from gemcore.plugin_manager import create_plugin_manager
 WORKLOADS = {name: WORKLOAD_MAX_LEN[name] for name in ("heavytail", "dense95")}  #: workload -> longest history
 CONFIGS = ("padded", "bf16", "mxfp8", "fp8", "bf16+compile", "mxfp8+compile", "fp8+compile",
            "varlen", "varlen+compile", "flex", "flex+compile")
-#: what a configuration's name may add after its kind, in this order: torch.compile, then CUDA graphs
-#: (``+graphs``: each step replayed as a CUDA graph per padded batch shape, :mod:`gemcore.cuda_graphs`)
-SUFFIXES = ("compile", "graphs")
 #: precision policy of each configuration's name before "+" (bf16 for the rest)
 PRECISIONS = {"mxfp8": "mxfp8", "fp8": "fp8_block"}
 #: configurations whose attention is a torch-native peer (attention impl = the name before "+")
