@@ -30,9 +30,11 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from gemcore.kernels.jagged_attention_triton_common import ACTIVATION_CODES
 from gemcore.kernels.jagged_work_list import cached_lists
+from gemcore.kernels.kernel_launch import LaunchCache
 
 # Triton 3.6 names the TMA load async_copy_global_to_shared; later versions async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -476,6 +478,10 @@ def _launch_partitions(q_desc, k_desc, v_desc, O, LSE2, kv_offsets, num_targets,
 
 
 # --------------------------------------------------------------------------- host side
+#: the forward's compiled binaries, launched without the JIT's per-call binding (kernel_launch)
+_FWD_LAUNCHES = LaunchCache(_jagged_attn_fwd_hopper)
+#: launch options of every Hopper attention kernel
+_OPTIONS = dict(num_warps=4, maxnreg=MAXNREG)
 def unsupported_reason(q, k, v, offsets, kv_offsets, num_targets, causal: bool, window_left: int,
                        window_right: int) -> str | None:
     """Why this forward cannot take these inputs (None: it can), device aside."""
@@ -552,8 +558,6 @@ def _tile_layout(rows: int, D: int, dtype: torch.dtype):
 
 def descriptor(x: torch.Tensor, rows: int):
     """TMA descriptor over x's (T, H·D) row view (row stride x.stride(0)), blocks of (rows, D)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     T, H, D = x.shape
     return TensorDescriptor(x, [T, H * D], [x.stride(0), 1], [rows, D], _tile_layout(rows, D, x.dtype))
 
@@ -588,10 +592,11 @@ def jagged_attention_fwd_hopper(q, k, v, offsets, activation: str, causal: bool,
     (work, n_listed), = cached_lists(offsets, max_seqlen, T, query=True, key=False)
     n_items = B * H * n_levels                     # at most
     ctas = min(n_items, sm_count(q.device)) if persistent else n_items
-    _jagged_attn_fwd_hopper[(ctas,)](
-        *_descriptors(q, k, v, block_n), out, lse2, offsets if kv_offsets is None else kv_offsets,
-        offsets if num_targets is None else num_targets, out.stride(0), H, work, n_listed, B, qk_scale, inv_norm,
-        STAGES=stages, ACTIVATION=ACTIVATION_CODES[activation], CAUSAL=bool(causal),
-        HAS_TARGETS=num_targets is not None, CROSS=kv_offsets is not None, PERSISTENT=persistent,
-        num_warps=4, maxnreg=MAXNREG)
+    _FWD_LAUNCHES.launch(
+        (ctas,),
+        (*_descriptors(q, k, v, block_n), out, lse2, offsets if kv_offsets is None else kv_offsets,
+         offsets if num_targets is None else num_targets, out.stride(0), H, work, n_listed, B, qk_scale, inv_norm),
+        dict(STAGES=stages, ACTIVATION=ACTIVATION_CODES[activation], CAUSAL=bool(causal),
+             HAS_TARGETS=num_targets is not None, CROSS=kv_offsets is not None, PERSISTENT=persistent),
+        _OPTIONS)
     return out, lse2

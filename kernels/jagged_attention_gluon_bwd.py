@@ -29,12 +29,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from gemcore.kernels.jagged_attention_gluon import (_BLOCK_M, _CONSUMER_REGS, _PRODUCER_REGS, MAXNREG, _allowed,
+from gemcore.kernels.jagged_attention_gluon import (_BLOCK_M, _CONSUMER_REGS, _OPTIONS, _PRODUCER_REGS, _allowed,
                                                     _dealt, _listed, _pointwise_and_grad, _ring_barriers,
                                                     _stream_tiles, _tma_load, _work_item, descriptor, on_hopper,
                                                     packed_rows, sm_count, unsupported_reason)
 from gemcore.kernels.jagged_attention_triton_common import ACTIVATION_CODES
 from gemcore.kernels.jagged_work_list import cached_lists
+from gemcore.kernels.kernel_launch import LaunchCache
 
 #: (rows per CTA, rows per ring slot, ring slots) of the two kernels. dQ: 128 query rows, 64-row
 #: K/V tiles, 3 slots; dK/dV: 128 key rows, 64-row Q/dO tiles, 2 slots (3 timed the same on the H200)
@@ -497,7 +498,7 @@ def jagged_attention_bwd_hopper(do, q, k, v, out, lse2, offsets, activation: str
     delta = torch.empty(T if softmax else 0, H, device=q.device, dtype=torch.float32)
     qk_scale = scale * 1.4426950408889634
     flags = dict(ACTIVATION=ACTIVATION_CODES[activation], CAUSAL=bool(causal),
-                 HAS_TARGETS=num_targets is not None, PERSISTENT=persistent, num_warps=4, maxnreg=MAXNREG)
+                 HAS_TARGETS=num_targets is not None, PERSISTENT=persistent)
     targets = offsets if num_targets is None else num_targets
     n_items = B * H * math.ceil(max_seqlen / 128)  # at most: 128-row tiles of the longest sequence
     ctas = min(n_items, sm_count(q.device)) if persistent else n_items
@@ -508,13 +509,21 @@ def jagged_attention_bwd_hopper(do, q, k, v, out, lse2, offsets, activation: str
     descs = {rows: dict(zip("qdkv", (descriptor(t, rows) for t in (q, do, k, v))))
              for rows in dict.fromkeys((64, DQ_TILE[1], DKDV_TILE[1]))}
     _, slot, stages = DQ_TILE
-    _jagged_attn_bwd_dq_hopper[(ctas,)](
-        descs[64]["q"], descs[64]["d"], descs[slot]["k"], descs[slot]["v"],
-        dq, out, lse2, delta, targets, dq.stride(0), out.stride(0), H, q_work, q_listed, B, scale, qk_scale,
-        inv_norm, STAGES=stages, **flags)
+    _DQ_LAUNCHES.launch(
+        (ctas,),
+        (descs[64]["q"], descs[64]["d"], descs[slot]["k"], descs[slot]["v"],
+         dq, out, lse2, delta, targets, dq.stride(0), out.stride(0), H, q_work, q_listed, B, scale, qk_scale,
+         inv_norm),
+        dict(STAGES=stages, **flags), _OPTIONS)
     _, slot, stages = DKDV_TILE
-    _jagged_attn_bwd_dkdv_hopper[(ctas,)](
-        descs[64]["k"], descs[64]["v"], descs[slot]["q"], descs[slot]["d"],
-        dk, dv, lse2, delta, targets, dk.stride(0), H, k_work, k_listed, B, scale, qk_scale, inv_norm,
-        STAGES=stages, **flags)
+    _DKDV_LAUNCHES.launch(
+        (ctas,),
+        (descs[64]["k"], descs[64]["v"], descs[slot]["q"], descs[slot]["d"],
+         dk, dv, lse2, delta, targets, dk.stride(0), H, k_work, k_listed, B, scale, qk_scale, inv_norm),
+        dict(STAGES=stages, **flags), _OPTIONS)
     return dq, dk, dv
+
+
+#: the two kernels' compiled binaries, launched without the JIT's per-call binding (kernel_launch)
+_DQ_LAUNCHES = LaunchCache(_jagged_attn_bwd_dq_hopper)
+_DKDV_LAUNCHES = LaunchCache(_jagged_attn_bwd_dkdv_hopper)

@@ -17,8 +17,11 @@ from typing import Optional
 
 import torch
 import triton
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
 
 from gemcore.kernels.jagged_attention_checks import check_values
+from gemcore.kernels.jagged_attention_reference import window_bounds
 from gemcore.kernels.jagged_attention_triton_bwd import _jagged_attn_bwd_dkdv, _jagged_attn_bwd_dq
 from gemcore.kernels.jagged_attention_triton_common import ACTIVATION_CODES
 from gemcore.kernels.jagged_attention_triton_fwd import _jagged_attn_fwd
@@ -127,16 +130,13 @@ def _common(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale
             window_left, window_right, max_seqlen):
     """Launch arguments shared by the three kernels."""
     pooled = offsets is None
-    kv_off = (offsets if kv_offsets is None else kv_offsets).to(torch.int64)
-    q_off = kv_off if pooled else offsets.to(torch.int64)
+    kv_off = _int64(offsets if kv_offsets is None else kv_offsets)
+    q_off = kv_off if pooled else _int64(offsets)
     B = kv_off.numel() - 1
     H = q.shape[1]
     nq_pooled = q.shape[0] if pooled else 0
-    if activation == "softmax":
-        inv_norm = 1.0
-    else:
-        inv_norm = 1.0 / (norm if norm > 0 else max(max_seqlen, 1))
-    nt = num_targets.to(torch.int64) if num_targets is not None else kv_off
+    inv_norm = _inv_norm(activation, norm, max_seqlen)
+    nt = _int64(num_targets) if num_targets is not None else kv_off
     flags = dict(
         D_QK=q.shape[2], D_V=v.shape[2], BLOCK_DQK=_block_d(q.shape[2]), BLOCK_DV=_block_d(v.shape[2]),
         ACTIVATION=ACTIVATION_CODES[activation], CAUSAL=bool(causal),
@@ -201,9 +201,6 @@ def _run_hopper(part: str, *args, **kwargs):
         know, too little shared memory), naming the error and the switch that runs the Triton
         kernels instead; the Triton kernels never replace it unasked.
     """
-    from triton.compiler.errors import CompilationError
-    from triton.runtime.errors import OutOfResources
-
     fwd_module, bwd_module = _hopper_modules()
     try:
         if part == "forward":
@@ -217,15 +214,27 @@ def _run_hopper(part: str, *args, **kwargs):
             f"{first_line}); set {switch} to run the Triton {part} instead") from exc
 
 
+def _int64(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is None or t.dtype == torch.int64 else t.to(torch.int64)
+
+
+def _inv_norm(activation: str, norm: float, max_seqlen: int) -> float:
+    """The factor of a pointwise activation's sum (1 for softmax)."""
+    if activation == "softmax":
+        return 1.0
+    return 1.0 / (norm if norm > 0 else max(max_seqlen, 1))
+
+
 def _fwd(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, norm,
          window_left, window_right, max_seqlen):
+    if forward_kernel(q, k, v, offsets, kv_offsets, num_targets, causal, window_left, window_right,
+                      activation) == "gluon-hopper":
+        return _run_hopper("forward", q, k, v, _int64(offsets), activation, causal, scale,
+                           _inv_norm(activation, norm, max_seqlen), max_seqlen, _int64(num_targets),
+                           kv_offsets=_int64(kv_offsets))
     q_off, kv_off, nt, B, H, nq_pooled, inv_norm, flags, max_q = _common(
         q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, norm, window_left,
         window_right, max_seqlen)
-    if forward_kernel(q, k, v, offsets, kv_offsets, num_targets, causal, window_left, window_right,
-                      activation) == "gluon-hopper":
-        return _run_hopper("forward", q, k, v, q_off, activation, causal, scale, inv_norm, max_seqlen,
-                           None if num_targets is None else nt, kv_offsets=None if kv_offsets is None else kv_off)
     rows = B * nq_pooled if offsets is None else q.shape[0]
     out = q.new_empty(rows, H, v.shape[2])
     lse2 = torch.empty(rows if activation == "softmax" else 0, H, device=q.device,
@@ -245,14 +254,14 @@ def _fwd(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, n
 
 def _bwd(do, q, k, v, out, lse2, offsets, kv_offsets, num_targets, activation, causal, scale,
          norm, window_left, window_right, max_seqlen):
+    do = do.reshape(-1, q.shape[1], v.shape[2])
+    if backward_kernel(q, k, v, offsets, kv_offsets, num_targets, causal, window_left,
+                       window_right) == "gluon-hopper":
+        return _run_hopper("backward", do, q, k, v, out, lse2, _int64(offsets), activation, causal, scale,
+                           _inv_norm(activation, norm, max_seqlen), max_seqlen, _int64(num_targets))
     q_off, kv_off, nt, B, H, nq_pooled, inv_norm, flags, max_q = _common(
         q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, norm, window_left,
         window_right, max_seqlen)
-    do = do.reshape(-1, H, v.shape[2])
-    if backward_kernel(q, k, v, offsets, kv_offsets, num_targets, causal, window_left,
-                       window_right) == "gluon-hopper":
-        return _run_hopper("backward", do, q, k, v, out, lse2, q_off, activation, causal, scale, inv_norm,
-                           max_seqlen, None if num_targets is None else nt)
     if do.stride(-1) != 1:
         do = do.contiguous()
     # softmax: delta = rowsum(dO * O) is written by the dQ kernel, which therefore runs first
@@ -360,6 +369,17 @@ torch.library.register_autograd("gemcore::jagged_attention_fwd", _backward,
                                 setup_context=_setup_context)
 
 
+def _checked_fwd(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, norm,
+                 window_left, window_right, max_seqlen, validate, with_max_seqlen=False):
+    """The value checks (unless skipped, see ``jagged_attention_fwd_op``) and :func:`_fwd`'s
+    (out, lse2); with ``with_max_seqlen``, ((out, lse2), the resolved max_seqlen)."""
+    if validate or max_seqlen < 0:
+        max_seqlen = check_values(q, k, offsets, kv_offsets, num_targets, max_seqlen)
+    result = _fwd(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, norm,
+                  window_left, window_right, max_seqlen)
+    return (result, max_seqlen) if with_max_seqlen else result
+
+
 class _EagerJaggedAttention(torch.autograd.Function):
     """The custom ops' eager twin: the same checks and kernels through a plain autograd Function,
     without the custom-op dispatch (about 0.1 ms of host time per forward on an H200 host, more
@@ -368,10 +388,9 @@ class _EagerJaggedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, norm,
                 window_left, window_right, max_seqlen, validate):
-        if validate or max_seqlen < 0:
-            max_seqlen = check_values(q, k, offsets, kv_offsets, num_targets, max_seqlen)
-        out, lse2 = _fwd(q, k, v, offsets, kv_offsets, num_targets, activation, causal, scale, norm,
-                         window_left, window_right, max_seqlen)
+        (out, lse2), max_seqlen = _checked_fwd(q, k, v, offsets, kv_offsets, num_targets, activation,
+                                               causal, scale, norm, window_left, window_right,
+                                               max_seqlen, validate, with_max_seqlen=True)
         ctx.save_for_backward(q, k, v, out, lse2, offsets, kv_offsets, num_targets)
         ctx.static = (activation, causal, scale, norm, window_left, window_right, max_seqlen)
         return out
@@ -395,18 +414,19 @@ def jagged_attention_triton(q, k, v, offsets, *, kv_offsets=None, activation="so
                             causal=False, scale=None, norm=None, num_targets=None, window=None,
                             max_seqlen=None, validate=True):
     """Triton backend of :func:`gemcore.kernels.jagged_attention` (static checks already done)."""
-    from gemcore.kernels.jagged_attention_reference import window_bounds
-
     left, right = window_bounds(window)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     args = (q, k, v, offsets, kv_offsets, num_targets, activation, bool(causal), scale,
             float(norm) if norm is not None else 0.0, left, right,
             -1 if max_seqlen is None else int(max_seqlen), bool(validate))
     if _needs_custom_op(q, k, v, offsets, kv_offsets, num_targets):
         out, _, _ = jagged_attention_fwd_op(*args)
-    else:
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out = _EagerJaggedAttention.apply(*args)
+    else:  # nothing to differentiate: the forward alone, without the autograd Function's dispatch
+        out, _ = _checked_fwd(*args)
     if offsets is None:
         return out.view(kv_offsets.shape[0] - 1, q.shape[0], q.shape[1], v.shape[2])
     return out

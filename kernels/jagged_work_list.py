@@ -146,10 +146,10 @@ def _list_cache(offsets: torch.Tensor) -> dict | None:
     if offsets.is_inference():
         return None
     stream = None
-    if offsets.is_cuda:
-        if torch.cuda.is_current_stream_capturing():
+    if offsets.is_cuda:  # torch.cuda's is_current_stream_capturing / current_stream, without their wrappers
+        if torch._C._cuda_isCurrentStreamCapturing():
             return None
-        stream = torch.cuda.current_stream(offsets.device).cuda_stream
+        stream = torch._C._cuda_getCurrentRawStream(offsets.device.index)
     cache = getattr(offsets, _CACHE_ATTR, None)
     if cache is None or cache["version"] != offsets._version or cache["stream"] != stream:
         cache = {"version": offsets._version, "stream": stream}

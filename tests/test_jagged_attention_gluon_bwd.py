@@ -16,7 +16,7 @@ triton = pytest.importorskip("triton")
 
 from gemcore.kernels.jagged_attention import jagged_attention  # noqa: E402
 from gemcore.kernels import jagged_attention_gluon_bwd as gluon_bwd  # noqa: E402
-from gemcore.kernels.jagged_attention_gluon import jagged_attention_fwd_hopper  # noqa: E402
+from gemcore.kernels.jagged_attention_gluon import MAXNREG, jagged_attention_fwd_hopper  # noqa: E402
 from gemcore.kernels.jagged_attention_reference import jagged_attention_reference  # noqa: E402
 from gemcore.kernels.jagged_attention_triton import backward_kernel  # noqa: E402
 from gemcore.kernels.jagged_attention_triton_common import ACTIVATION_CODES  # noqa: E402
@@ -93,7 +93,7 @@ def test_compiles_for_sm90_with_the_installed_triton(activation, causal, targets
                                       (gluon_bwd._jagged_attn_bwd_dkdv_hopper, dkdv_signature, dkdv_stages)):
         src = GluonASTSource(kernel, signature, constexprs=dict(flags, STAGES=stages))
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": 4, "maxnreg": gluon_bwd.MAXNREG})
+                                  options={"num_warps": 4, "maxnreg": MAXNREG})
         ptx = compiled.asm["ptx"]
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
         assert compiled.metadata.shared <= 227 * 1024        # an H100 / H200 SM's shared memory
@@ -114,12 +114,12 @@ def test_the_launches_share_descriptors_and_get_the_right_ones(monkeypatch, dq_s
         def __init__(self, name):
             self.name = name
 
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.__setitem__(self.name, args[:4])
+        def launch(self, grid, args, meta, options):
+            launches[self.name] = args[:4]
 
     monkeypatch.setattr(gluon_bwd, "descriptor", descriptor)
-    monkeypatch.setattr(gluon_bwd, "_jagged_attn_bwd_dq_hopper", Recorder("dq"))
-    monkeypatch.setattr(gluon_bwd, "_jagged_attn_bwd_dkdv_hopper", Recorder("dkdv"))
+    monkeypatch.setattr(gluon_bwd, "_DQ_LAUNCHES", Recorder("dq"))
+    monkeypatch.setattr(gluon_bwd, "_DKDV_LAUNCHES", Recorder("dkdv"))
     monkeypatch.setattr(gluon_bwd, "cached_lists", lambda *a, **k: [(None, None), (None, None)])
     monkeypatch.setattr(gluon_bwd, "sm_count", lambda device: 132)
     monkeypatch.setattr(gluon_bwd, "DQ_TILE", (128, dq_slot, 3))
