@@ -7,8 +7,9 @@ sequences of random length in [L/2, L] instead (a small model's attention: the G
 applies); ``--workload model`` the sequences and heads of ``gem bench attention --workload model``
 (the heavytail model's batch: 48 users, 16,487 tokens, 8 heads); ``--profile`` adds cProfile's
 top functions of 100 forward+backward calls. Prints which kernels run, then microseconds per
-forward and per forward+backward call: the host's time to issue them back to back, and the wall
-time until the GPU is done (the larger when the GPU is the limit). Needs a CUDA GPU:
+forward and per forward+backward call (medians of 5 rounds of 100 calls): the host's time to issue
+them back to back, and the wall time until the GPU is done (the larger when the GPU is the limit).
+Needs a CUDA GPU:
 
     python tools/attention_host_time.py --batch 16 --max-len 512
     python tools/attention_host_time.py --workload model
@@ -19,6 +20,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import statistics
 import time
 
 import torch
@@ -26,17 +28,24 @@ import torch
 from gemcore.kernels.jagged_attention import jagged_attention
 
 
-def per_call_us(fn, n=300) -> tuple[float, float]:
-    """(host µs per call: issuing ``n`` calls back to back; wall µs per call: until the GPU is done)."""
+def per_call_us(fn, n=100, rounds=5) -> tuple[float, float]:
+    """(host µs per call: issuing ``n`` calls back to back; wall µs per call: until the GPU is
+    done), each the median of ``rounds`` rounds. ``n`` is small enough that the GPU's launch queue
+    never fills (a full queue makes the host wait for the GPU, and the host time would be the
+    GPU's)."""
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6, (time.perf_counter() - t0) / n * 1e6
+    host, wall = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        host.append((t1 - t0) / n * 1e6)
+        wall.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(host), statistics.median(wall)
 
 
 def main(argv: list[str] | None = None) -> None:
