@@ -275,11 +275,13 @@ class Trainer:
                "float16 loss scaling is not captured; use bf16" if self.scaler.is_enabled() else "")
         if why:
             raise ValueError(f"train.cuda_graphs: {why}")
+        return GraphedForwardBackward(self._loss, self.model.parameters())
 
-        def loss_fn(batch):
-            with self.parts.precision.autocast(self.device.type):
-                return click_loss(self.model(batch), batch.labels, batch.label_weights)
-        return GraphedForwardBackward(loss_fn, self.model.parameters())
+    def _loss(self, batch) -> torch.Tensor:
+        """The batch's click loss under the precision's autocast, through the (possibly wrapped)
+        model's forward, so DDP/FSDP hooks see it."""
+        with self.parts.precision.autocast(self.device.type):
+            return click_loss(self.model(batch), batch.labels, batch.label_weights)
 
     # ------------------------------------------------------------------ checkpoints
     def _distributed(self) -> bool:
@@ -365,9 +367,7 @@ class Trainer:
         elif self.graphed is not None:  # forward and backward replayed; each p.grad set
             loss = self.graphed(batch)
         else:
-            with self.parts.precision.autocast(self.device.type):
-                # through the (possibly wrapped) model's forward, so DDP/FSDP hooks see it
-                loss = click_loss(self.model(batch), batch.labels, batch.label_weights)
+            loss = self._loss(batch)
             self.optimizer.zero_grad(set_to_none=True)
             self.scaler.scale(loss).backward()
         grad_norm = None

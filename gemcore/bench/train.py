@@ -332,6 +332,12 @@ def ranges_overlap(a: list[float] | None, b: list[float] | None) -> bool | None:
     return min(a) <= max(b) and min(b) <= max(a)
 
 
+def _is_torch_native(kind: str, suffixes: tuple[str, ...]) -> bool:
+    """Whether a configuration is a torch-native peer: ``varlen``, ``flex`` or ``padded``, without
+    gemcore's CUDA-graph step (``+graphs``)."""
+    return kind in PEERS + ("padded",) and "graphs" not in suffixes
+
+
 def _bf16_twin(config: str) -> str:
     """The bf16 configuration a configuration is compared with: ``fp8+compile`` -> ``bf16+compile``,
     ``bf16+compile+graphs`` -> ``bf16+compile`` (what the graphs add), ``fp8+compile+graphs`` ->
@@ -397,9 +403,8 @@ def run(args: argparse.Namespace) -> int:
               "sampler": order_used, "results": [r.__dict__ for r in results], "local_mfu": local}
     base = next((r for r in results if r.config == "padded" and not r.error), None)
     by_config = {r.config: r for r in results if not r.error}
-    # torch-native peers only: a peer with +graphs runs gemcore's CUDA-graph step
-    peers = [r.tokens_per_s for r in results if not r.error and config_parts(r.config)[0] in PEERS + ("padded",)
-             and "graphs" not in config_parts(r.config)[1]]
+    peers = [r.tokens_per_s for r in results if not r.error
+             and _is_torch_native(*config_parts(r.config))]
     for r in report["results"]:
         r["speedup_vs_best_peer"] = (r["tokens_per_s"] / max(peers)) if peers and not r["error"] else None
         r["speedup_vs_padded"] = (r["tokens_per_s"] / base.tokens_per_s) if base and not r["error"] else None
