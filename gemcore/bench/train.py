@@ -399,7 +399,7 @@ def run(args: argparse.Namespace) -> int:
               "model": {"hidden": args.hidden, "heads": args.heads, "head_dim": args.hidden // args.heads,
                         "blocks": args.blocks, "mlp_ratio": 4, "items": args.items,
                         "dense_params": dense, "embedding_params": (args.items + 5 + 32) * args.hidden},
-              "users_per_step": args.users, "max_len": max_len, "steps": args.steps,
+              "users_per_step": args.users, "max_len": max_len, "steps": args.steps, "fp8": fp8,
               "sampler": order_used, "results": [r.__dict__ for r in results], "local_mfu": local}
     base = next((r for r in results if r.config == "padded" and not r.error), None)
     by_config = {r.config: r for r in results if not r.error}
