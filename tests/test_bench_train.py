@@ -39,7 +39,9 @@ def test_fp8_configuration_trains_and_is_compared_with_its_bf16_twin(capsys):
                               "--heads", "2", "--blocks", "1", "--items", "300", "--candidates", "2",
                               "--max-len", "16", "--no-local-mfu", "--json"])
     assert train.run(args) == 0
-    rows = {r["config"]: r for r in json.loads(capsys.readouterr().out)["results"]}
+    report = json.loads(capsys.readouterr().out)
+    assert report["fp8"] == {"fp8_matmul": "reference", "fp8_fused_mlp": False, "fp8_keep": ["router", "head"]}
+    rows = {r["config"]: r for r in report["results"]}
     assert rows["fp8"]["error"] == "" and rows["bf16"]["error"] == ""
     assert rows["bf16"]["speedup_vs_bf16"] == 1.0
     assert rows["fp8"]["speedup_vs_bf16"] > 0
