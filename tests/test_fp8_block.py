@@ -360,3 +360,17 @@ def test_cublas_layouts_pass_torchs_checks(K, b_blocks):
         for out_dtype in (torch.float32, torch.bfloat16):
             out = mm(a, b, out_dtype)
             assert out.shape == (256, 384) and out.dtype == out_dtype
+
+
+def test_bench_cast_anchors_do_the_same_work():
+    """`gem bench mx`'s plain-PyTorch cast anchors write what the casts they stand beside write
+    (randn data): rows, and rows + transposed columns."""
+    from gemcore.bench.fp8 import _plain_block_cast, _plain_block_cast_both
+
+    x = torch.randn(256, 384, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    want_rows, want_cols = fb.quantize_act(x, backend="reference")
+    (rows, rows_scale), (cols, cols_scale) = _plain_block_cast_both(x)
+    assert torch.equal(_plain_block_cast(x)[0].view(torch.uint8), want_rows.data.view(torch.uint8))
+    assert torch.equal(rows.view(torch.uint8), want_rows.data.view(torch.uint8))
+    assert torch.equal(cols.view(torch.uint8), want_cols.data.view(torch.uint8))
+    assert torch.equal(rows_scale.squeeze(-1), want_rows.scale) and torch.equal(cols_scale.squeeze(-1), want_cols.scale)

@@ -13,8 +13,9 @@ behind a spacer kernel) and host included (each call from an idle GPU, as a call
 * Casts of a bf16 (tokens, K) activation and a (N, K) weight, GB/s (1e9 bytes a second) = bytes
   read + written (2 read, 1 written per element and layout, plus 4 bytes a block's scale), each
   checked bit for bit against the reference on its first 256 rows, beside the
-  device-to-device copy (the limit) and ``torch.compile`` of a plain-PyTorch 1x128 cast (and of
-  torchao's ``to_mx`` where torchao is installed).
+  device-to-device copy (the limit) and ``torch.compile`` of a plain-PyTorch 1x128 cast, rows alone
+  (the rows cast's anchor) and rows + transposed columns (the two-layout cast's anchor: the same
+  work), and of torchao's ``to_mx`` where torchao is installed.
 """
 from __future__ import annotations
 
@@ -187,6 +188,12 @@ def _plain_block_cast(x: torch.Tensor):
     return (blocks / scale).to(torch.float8_e4m3fn).reshape(x.shape), scale
 
 
+def _plain_block_cast_both(x: torch.Tensor):
+    """The same plain-PyTorch cast of x (M, K) along both axes: 1x128 rows and the transposed 128x1
+    columns (the work of ``fp8_block.quantize_act``), the torch.compile anchor of the two-layout cast."""
+    return _plain_block_cast(x), _plain_block_cast(x.t())
+
+
 def bench_cast(tokens: int, K: int) -> list[Row]:
     from gemcore.kernels import fp8_block as fb
 
@@ -212,7 +219,15 @@ def bench_cast(tokens: int, K: int) -> list[Row]:
             rows.append(Row(group, "torchao to_mx, torch.compile", float("nan"), 0, "GB/s", note=repr(exc)[:80]))
     else:
         rows.append(Row(group, "torchao to_mx, torch.compile", float("nan"), 0, "GB/s", note="torchao not installed"))
+    try:
+        compiled_both = torch.compile(_plain_block_cast_both)
+        rows.append(_row(group, "plain PyTorch rows + transposed columns, torch.compile (anchor)",
+                         lambda: compiled_both(x), n * (2 + 2 + 8 / 128), "GB/s"))
+    except Exception as exc:  # noqa: BLE001
+        rows.append(Row(group, "plain PyTorch rows + transposed columns, torch.compile", float("nan"), 0, "GB/s",
+                        note=repr(exc)[:80]))
     anchor = rows[1].rate or None
+    anchor_both = rows[-1].rate or None
     ref_rows, ref_cols = fb.quantize_act(x[:256].cpu(), backend="reference")
 
     def exact_note(got_rows, got_cols=None) -> str:
@@ -227,7 +242,7 @@ def bench_cast(tokens: int, K: int) -> list[Row]:
     rows.append(_row(group, "fp8_block rows (1x128)", lambda: fb.quantize_rows(x), one, "GB/s", anchor,
                      check=lambda: exact_note(fb.quantize_rows(x))))
     rows.append(_row(group, "fp8_block rows + transposed columns (1x128 and 128x1), one read",
-                     lambda: fb.quantize_act(x), n * (2 + 2 + 8 / 128), "GB/s", anchor,
+                     lambda: fb.quantize_act(x), n * (2 + 2 + 8 / 128), "GB/s", anchor_both,
                      check=lambda: exact_note(*fb.quantize_act(x))))
     w = torch.randn(4096, K, device="cuda", dtype=torch.bfloat16)
     ref_w, ref_wt = fb.quantize_weight(w[:256].cpu(), backend="reference")
