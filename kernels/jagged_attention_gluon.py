@@ -482,6 +482,8 @@ def _launch_partitions(q_desc, k_desc, v_desc, O, LSE2, kv_offsets, num_targets,
 _FWD_LAUNCHES = LaunchCache(_jagged_attn_fwd_hopper)
 #: launch options of every Hopper attention kernel
 _OPTIONS = dict(num_warps=4, maxnreg=MAXNREG)
+
+
 def unsupported_reason(q, k, v, offsets, kv_offsets, num_targets, causal: bool, window_left: int,
                        window_right: int) -> str | None:
     """Why this forward cannot take these inputs (None: it can), device aside."""

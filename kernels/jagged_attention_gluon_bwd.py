@@ -480,6 +480,11 @@ def _row_view(x: torch.Tensor) -> torch.Tensor:
     return x if packed_rows(x) else x.contiguous()
 
 
+#: the two kernels' compiled binaries, launched without the JIT's per-call binding (kernel_launch)
+_DQ_LAUNCHES = LaunchCache(_jagged_attn_bwd_dq_hopper)
+_DKDV_LAUNCHES = LaunchCache(_jagged_attn_bwd_dkdv_hopper)
+
+
 def jagged_attention_bwd_hopper(do, q, k, v, out, lse2, offsets, activation: str, causal: bool, scale: float,
                                 inv_norm: float, max_seqlen: int, num_targets=None, *, persistent: bool = True):
     """(dq, dk, dv), each (T, H, D) contiguous in q's dtype, of the Gluon / Triton forward's
@@ -522,8 +527,3 @@ def jagged_attention_bwd_hopper(do, q, k, v, out, lse2, offsets, activation: str
          dk, dv, lse2, delta, targets, dk.stride(0), H, k_work, k_listed, B, scale, qk_scale, inv_norm),
         dict(STAGES=stages, **flags), _OPTIONS)
     return dq, dk, dv
-
-
-#: the two kernels' compiled binaries, launched without the JIT's per-call binding (kernel_launch)
-_DQ_LAUNCHES = LaunchCache(_jagged_attn_bwd_dq_hopper)
-_DKDV_LAUNCHES = LaunchCache(_jagged_attn_bwd_dkdv_hopper)

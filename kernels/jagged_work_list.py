@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gemcore.kernels.kernel_launch import current_stream
+
 #: rows per tile: the Gluon kernels' 128-row work items
 TILE_ROWS = 128
 #: sequences per chunk of the list kernel; batches up to this many are read once
@@ -149,7 +151,7 @@ def _list_cache(offsets: torch.Tensor) -> dict | None:
     if offsets.is_cuda:  # torch.cuda's is_current_stream_capturing / current_stream, without their wrappers
         if torch._C._cuda_isCurrentStreamCapturing():
             return None
-        stream = torch._C._cuda_getCurrentRawStream(offsets.device.index)
+        stream = current_stream(offsets.device.index)
     cache = getattr(offsets, _CACHE_ATTR, None)
     if cache is None or cache["version"] != offsets._version or cache["stream"] != stream:
         cache = {"version": offsets._version, "stream": stream}
